@@ -1,0 +1,32 @@
+"""qkv: attention for PyTorch: exact, flexible, inspectable, fast.
+
+The public surface is what this module re-exports (``__all__``); everything else is private.
+"""
+
+from . import reference
+from .functional import attention
+from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
+from .planner import Plan, plan, set_dense_limit
+from .scores import alibi, alibi_slopes, relative_bias, softcap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Plan",
+    "__version__",
+    "alibi",
+    "alibi_slopes",
+    "and_masks",
+    "attention",
+    "causal",
+    "document",
+    "or_masks",
+    "padding",
+    "plan",
+    "prefix_lm",
+    "reference",
+    "relative_bias",
+    "set_dense_limit",
+    "sliding_window",
+    "softcap",
+]

@@ -1,0 +1,1 @@
+"""Subcommands of the ``qkv`` command (see ``qkv.cli``)."""

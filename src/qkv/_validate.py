@@ -1,0 +1,391 @@
+"""Input checks and the normalised problem every backend receives.
+
+Every check runs before any attention arithmetic, and every error names the values it got and
+what would work (STYLE.md rule 9). Shapes and values raise ``ValueError``; types raise
+``TypeError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+# The dtypes attention is defined for. Half types are accumulated in float32 (DESIGN.md).
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class Problem:
+    """One attention call, normalised to 4-D ``[B, H, L, D]`` views.
+
+    ``mask`` is ``None``, a bool tensor already shaped for broadcasting against
+    ``[B, Hq, Lq, Lk]``, a mask_mod callable, or a block mask. ``score_mod`` is ``None``, a
+    float bias tensor broadcastable to ``[B, Hq, Lq, Lk]``, or a callable.
+    """
+
+    q: Tensor  # [B, Hq, Lq, D]
+    k: Tensor  # [B, Hkv, Lk, D]
+    v: Tensor  # [B, Hkv, Lk, Dv]
+    mask: Any
+    score_mod: Any
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    orig_ndim: int
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def Hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def Hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def Lq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def Lk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def D(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def Dv(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 for plain multi-head attention)."""
+        return self.Hq // self.Hkv
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """float64 stays float64; everything else accumulates in float32."""
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The full score shape ``[B, Hq, Lq, Lk]``."""
+        return (self.B, self.Hq, self.Lq, self.Lk)
+
+    def requires_grad(self) -> bool:
+        """True when autograd will need a backward through this call."""
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [self.q, self.k, self.v]
+        if isinstance(self.score_mod, Tensor):
+            tensors.append(self.score_mod)
+        if any(t.requires_grad for t in tensors):
+            return True
+        # A callable score_mod may close over learnable tensors we cannot see.
+        return callable(self.score_mod)
+
+    def restore(self, out: Tensor) -> Tensor:
+        """Undo the unbatched normalisation: ``[1, 1, L, Dv]`` → ``[L, Dv]`` etc."""
+        if self.orig_ndim == 2:
+            return out[0, 0]  # [Lq, Dv]
+        if self.orig_ndim == 3:
+            return out[0]  # [Hq, Lq, Dv]
+        return out
+
+    def restore_lse(self, lse: Tensor) -> Tensor:
+        if self.orig_ndim == 2:
+            return lse[0, 0]  # [Lq]
+        if self.orig_ndim == 3:
+            return lse[0]  # [Hq, Lq]
+        return lse
+
+    def index_tensors(
+        self, q_range: tuple[int, int] | None = None, kv_range: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Broadcastable int64 ``b [B,1,1,1]``, ``h [1,Hq,1,1]``, ``q_idx [1,1,Lq,1]``,
+        ``kv_idx [1,1,1,Lk]`` (or the given sub-ranges), as mask_mods and score_mods get them."""
+        return index_tensors(
+            self.B, self.Hq, q_range or (0, self.Lq), kv_range or (0, self.Lk), self.device
+        )
+
+
+def index_tensors(
+    B: int, H: int, q_range: tuple[int, int], kv_range: tuple[int, int], device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcastable int64 index tensors for ``[B, H, q_range, kv_range]``."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)  # [B, 1, 1, 1]
+    h = torch.arange(H, device=device).view(1, H, 1, 1)  # [1, H, 1, 1]
+    qi = torch.arange(*q_range, device=device).view(1, 1, -1, 1)  # [1, 1, Lq, 1]
+    ki = torch.arange(*kv_range, device=device).view(1, 1, 1, -1)  # [1, 1, 1, Lk]
+    return b, h, qi, ki
+
+
+# ----------------------------------------------------------------------------- input tensors
+
+
+def _check_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(t).__name__}; "
+            f"wrap it with torch.as_tensor(..., dtype=torch.float32)"
+        )
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; attention needs a floating dtype "
+            f"(float16, bfloat16, float32 or float64): convert it with {name}.float()"
+        )
+    return t
+
+
+def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor, int]:
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    ndims = (q.ndim, k.ndim, v.ndim)
+    if q.ndim not in (2, 3, 4):
+        raise ValueError(
+            f"q has {q.ndim} dims (shape {tuple(q.shape)}); expected [B, H, L, D], "
+            f"[H, L, D] or [L, D]"
+        )
+    if len(set(ndims)) != 1:
+        raise ValueError(
+            f"q, k and v must have the same number of dims, got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)} and {tuple(v.shape)}; use [B, H, L, D] for all three"
+        )
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise TypeError(
+            f"q, k and v must share one dtype, got {q.dtype}, {k.dtype} and {v.dtype}; "
+            f"convert them, e.g. k = k.to(q.dtype)"
+        )
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(
+            f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}; "
+            f"move them with .to(q.device)"
+        )
+    orig = q.ndim
+    if orig == 2:
+        q, k, v = q[None, None], k[None, None], v[None, None]  # [1, 1, L, D]
+    elif orig == 3:
+        q, k, v = q[None], k[None], v[None]  # [1, H, L, D]
+    B, Hq, _, D = q.shape
+    Bk, Hkv, Lk, Dk = k.shape
+    Bv, Hv, Lv, _ = v.shape
+    if Dk != D:
+        raise ValueError(
+            f"q has head dim {D} but k has {Dk} (shapes {tuple(q.shape)} and "
+            f"{tuple(k.shape)}); q and k must share their last dim"
+        )
+    if not (B == Bk == Bv):
+        raise ValueError(
+            f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}; "
+            f"all three need the same batch size"
+        )
+    if Lk != Lv:
+        raise ValueError(
+            f"k has length {Lk} but v has {Lv} (shapes {tuple(k.shape)} and "
+            f"{tuple(v.shape)}); every key needs exactly one value"
+        )
+    if Hkv != Hv:
+        raise ValueError(f"k has {Hkv} heads but v has {Hv}; k and v need the same number of heads")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(
+            f"q has {Hq} heads and k has {Hkv}: q heads must be a multiple of kv heads "
+            f"(grouped-query attention), e.g. Hkv in "
+            f"{[d for d in range(1, Hq + 1) if Hq % d == 0] if Hq else [1]}"
+        )
+    return q, k, v, orig
+
+
+def _check_scale(scale: object, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}; None means 1/sqrt(head_dim)")
+    return float(scale)
+
+
+def _check_dropout(p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}; use 0.0 to turn dropout off")
+    return float(p)
+
+
+def _broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    """Right-align a mask/bias of up to 4 dims against ``[B, Hq, Lq, Lk]``."""
+    while t.ndim < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _check_mask_tensor(mask: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point():
+            raise TypeError(
+                f"mask is a {mask.dtype} tensor; masks are bool (True = may attend). An additive "
+                f"float bias goes in score_mod=..., e.g. attention(q, k, v, score_mod=bias)"
+            )
+        raise TypeError(
+            f"mask has dtype {mask.dtype}; masks are bool tensors (True = may attend): "
+            f"use mask.bool() or mask != 0"
+        )
+    if mask.device != q.device:
+        raise ValueError(f"mask is on {mask.device} but q is on {q.device}; use mask.to(q.device)")
+    if not _broadcastable(tuple(mask.shape), target):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Lq, Lk] = "
+            f"{list(target)}; give it shape [Lq, Lk] = [{target[2]}, {target[3]}] or any "
+            f"shape broadcastable to the scores"
+        )
+    return _as_4d(mask)
+
+
+def _check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
+    if not bias.is_floating_point():
+        raise TypeError(
+            f"score_mod tensor has dtype {bias.dtype}; an additive bias must be floating "
+            f"(a bool tensor is a mask: pass it as mask=...)"
+        )
+    if bias.device != q.device:
+        raise ValueError(
+            f"score_mod bias is on {bias.device} but q is on {q.device}; use bias.to(q.device)"
+        )
+    if not _broadcastable(tuple(bias.shape), target):
+        raise ValueError(
+            f"score_mod bias of shape {tuple(bias.shape)} does not broadcast to "
+            f"[B, Hq, Lq, Lk] = {list(target)}; give it shape [Lq, Lk] = "
+            f"[{target[2]}, {target[3]}] or any shape broadcastable to the scores"
+        )
+    return _as_4d(bias)
+
+
+def check_mask_result(result: object, mod: Callable[..., Any], shape: tuple[int, ...]) -> Tensor:
+    """Check what a mask_mod returned for a block of ``shape`` and return it as a 4-D bool."""
+    name = getattr(mod, "__name__", None) or repr(mod)
+    if isinstance(result, bool):
+        return torch.tensor(result).view(1, 1, 1, 1)
+    if not isinstance(result, Tensor):
+        raise TypeError(
+            f"mask_mod {name} returned {type(result).__name__}; it must return a bool tensor "
+            f"built from its index arguments (use torch.where / & / | / ~, not Python if/and/or)"
+        )
+    if result.dtype != torch.bool:
+        raise TypeError(
+            f"mask_mod {name} returned a {result.dtype} tensor; it must return bools "
+            f"(True = may attend), e.g. compare with >=, == or use .bool()"
+        )
+    if not _broadcastable(tuple(result.shape), shape):
+        raise ValueError(
+            f"mask_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
+            f"to the block {list(shape)} it was asked for; index only with its b, h, q_idx, "
+            f"kv_idx arguments so the result broadcasts"
+        )
+    return _as_4d(result)
+
+
+def check_score_result(
+    result: object, mod: Callable[..., Any], shape: tuple[int, ...], dtype: torch.dtype
+) -> Tensor:
+    """Check what a score_mod returned for scores of ``shape``; cast to the compute dtype."""
+    name = getattr(mod, "__name__", None) or repr(mod)
+    if not isinstance(result, Tensor):
+        raise TypeError(
+            f"score_mod {name} returned {type(result).__name__}; it must return a float tensor "
+            f"computed from its score argument"
+        )
+    if not result.is_floating_point():
+        raise TypeError(f"score_mod {name} returned dtype {result.dtype}; it must return floats")
+    if not _broadcastable(tuple(result.shape), shape):
+        raise ValueError(
+            f"score_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
+            f"to the scores {list(shape)}; return a tensor shaped like its score argument"
+        )
+    return result.to(dtype)
+
+
+def _check_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -> object:
+    if mask is None:
+        return None
+    if isinstance(mask, Tensor):
+        return _check_mask_tensor(mask, q, target)
+    checker = getattr(mask, "_check_problem", None)
+    if checker is not None:  # built-in masks and block masks know their own constraints
+        checker(*target)
+        return mask
+    if callable(mask):
+        return mask
+    raise TypeError(
+        f"mask must be None, a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool, "
+        f"or a block mask; got {type(mask).__name__}"
+    )
+
+
+def _check_score_mod(score_mod: object, q: Tensor, target: tuple[int, int, int, int]) -> object:
+    if score_mod is None:
+        return None
+    if isinstance(score_mod, Tensor):
+        return _check_bias_tensor(score_mod, q, target)
+    checker = getattr(score_mod, "_check_problem", None)
+    if checker is not None:
+        checker(*target)
+        return score_mod
+    if callable(score_mod):
+        return score_mod
+    raise TypeError(
+        f"score_mod must be None, a float bias tensor, or a callable "
+        f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"
+    )
+
+
+def validate(
+    q: object,
+    k: object,
+    v: object,
+    *,
+    mask: object = None,
+    score_mod: object = None,
+    scale: object = None,
+    dropout_p: object = 0.0,
+    return_lse: object = False,
+) -> Problem:
+    """Check every argument of :func:`qkv.attention` and build the normalised problem."""
+    q4, k4, v4, orig = _check_qkv(q, k, v)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
+    target = (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])
+    return Problem(
+        q=q4,
+        k=k4,
+        v=v4,
+        mask=_check_mask(mask, q4, target),
+        score_mod=_check_score_mod(score_mod, q4, target),
+        scale=_check_scale(scale, q4.shape[3]),
+        dropout_p=_check_dropout(dropout_p),
+        return_lse=return_lse,
+        orig_ndim=orig,
+    )

@@ -1,0 +1,85 @@
+"""``qkv.attention``: validate → plan → backend."""
+
+from __future__ import annotations
+
+import torch
+
+from . import planner
+from ._validate import validate
+
+Tensor = torch.Tensor
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: object = None,
+    score_mod: object = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention with one contract on every backend.
+
+    Equivalent to :func:`qkv.reference.attention`, the plain formula::
+
+        scores = (q @ k.transpose(-2, -1)) * scale        # [B, Hq, Lq, Lk]
+        scores = score_mod(scores, b, h, q_idx, kv_idx)   # or scores + bias
+        scores = scores.masked_fill(~mask, -inf)          # mask: True = may attend
+        out = scores.softmax(-1) @ v                      # [B, Hq, Lq, Dv]
+
+    with fully masked rows giving 0 instead of NaN.
+
+    Args:
+        q: queries ``[B, Hq, Lq, D]``; unbatched ``[Hq, Lq, D]`` and ``[Lq, D]`` also work and
+            the output has the same number of dims.
+        k: keys ``[B, Hkv, Lk, D]``. ``Hq % Hkv == 0``: query head ``h`` uses key/value head
+            ``h // (Hq // Hkv)`` (grouped-query attention; ``Hkv = 1`` is multi-query).
+        v: values ``[B, Hkv, Lk, Dv]``.
+        mask: ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
+            attend); a mask_mod ``(b, h, q_idx, kv_idx) -> bool tensor`` such as
+            :data:`qkv.causal` (called with broadcastable int64 index tensors, no vmap or
+            compile); or a prebuilt block mask.
+        score_mod: ``None``; a float bias broadcastable to ``[B, Hq, Lq, Lk]`` added to the
+            scaled scores; or ``(score, b, h, q_idx, kv_idx) -> score`` applied to the scaled
+            scores before masking. Gradients reach the bias and tensors a score_mod closes over.
+        scale: multiplies ``q @ kᵀ``; default ``1 / sqrt(D)``.
+        dropout_p: dropout on the attention probabilities (rescaled by ``1 / (1 - p)``).
+            Applied whenever it is > 0, as in ``F.scaled_dot_product_attention``.
+        return_lse: also return ``lse [B, Hq, Lq]`` (float32), the natural log of each row's
+            softmax denominator; ``-inf`` for fully masked rows.
+        backend: ``"auto"`` (default: the fastest backend that computes this exactly),
+            ``"sdpa"`` or ``"reference"``. :func:`qkv.plan` says which runs and why.
+
+    Returns:
+        ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. Half-precision inputs are
+        accumulated in float32.
+
+    Example::
+
+        >>> import torch, qkv
+        >>> q = torch.randn(2, 8, 128, 64)
+        >>> k = v = torch.randn(2, 2, 128, 64)
+        >>> qkv.attention(q, k, v, mask=qkv.causal).shape
+        torch.Size([2, 8, 128, 64])
+    """
+    p = validate(
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+    )
+    b, _ = planner.select(p, backend)
+    out, lse = b.run(p)
+    out = p.restore(out)
+    if not return_lse:
+        return out
+    assert lse is not None, f"backend {b.name} returned no lse although it was asked for"
+    return out, p.restore_lse(lse)

@@ -1,0 +1,302 @@
+"""Built-in mask_mods: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` with True = may attend.
+
+This is FlexAttention's convention, so FlexAttention mask_mods work in qkv unchanged and these
+work in FlexAttention. qkv calls a mask_mod once per block with broadcastable int64 index
+tensors (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Lq,1]``, ``kv_idx [1,1,1,Lk]``), never
+per element, so any mask built from comparisons, indexing, ``&``, ``|``, ``~`` and
+``torch.where`` works without vmap or compile.
+
+The built-ins are small objects rather than plain functions: they also know their structure
+(a band of diagonals, a prefix of keys, equal document ids), which lets the block planner
+classify a block as empty, full or partial without evaluating n² positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+__all__ = [
+    "and_masks",
+    "causal",
+    "document",
+    "or_masks",
+    "padding",
+    "prefix_lm",
+    "sliding_window",
+]
+
+
+class _BuiltinMask:
+    """Base of the built-in mask_mods: callable, printable, checked against the problem."""
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
+        """Raise ValueError if this mask cannot describe a ``[B, H, Lq, Lk]`` problem."""
+
+    @property
+    def __name__(self) -> str:  # error messages name a mask_mod by __name__
+        return repr(self)
+
+
+class _Band(_BuiltinMask):
+    """Attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded on that side)."""
+
+    def __init__(self, lo: int | None, hi: int | None, name: str) -> None:
+        self.lo, self.hi, self._name = lo, hi, name
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        d = kv_idx - q_idx
+        lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None:
+            return (d >= lo) & (d <= hi)
+        if hi is not None:
+            return d <= hi
+        if lo is not None:
+            return d >= lo
+        return torch.ones_like(d, dtype=torch.bool)
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+causal: MaskMod = _Band(None, 0, "qkv.causal")
+causal.__doc__ = """Causal mask: ``q_idx >= kv_idx``, aligned top-left.
+
+This is ``is_causal=True`` in ``torch.nn.functional.scaled_dot_product_attention``: query ``i``
+sees keys ``0..i`` whatever the lengths. For ``Lq=3, Lk=5`` (rows are queries)::
+
+    1 0 0 0 0
+    1 1 0 0 0
+    1 1 1 0 0
+
+For decoding with a KV cache, where queries are the *last* ``Lq`` positions of ``Lk``, shift the
+query index (``qkv.MultiHeadAttention`` does that for you).
+"""
+
+
+def sliding_window(left: int, right: int = 0) -> MaskMod:
+    """Attend iff ``q_idx - left <= kv_idx <= q_idx + right``.
+
+    ``left`` keys before the query and ``right`` keys after it (plus the query's own position).
+    ``sliding_window(2)`` on ``Lq = Lk = 5`` (a causal window of 3 keys)::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+        0 1 1 1 0
+        0 0 1 1 1
+
+    ``sliding_window(1, 1)`` is a symmetric band of width 3.
+    """
+    for name, val in (("left", left), ("right", right)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"sliding_window {name} must be an int, got {type(val).__name__}")
+        if val < 0:
+            raise ValueError(
+                f"sliding_window {name} must be >= 0, got {val}; it counts keys on that side "
+                f"of the query"
+            )
+    name = f"qkv.sliding_window({left})" if right == 0 else f"qkv.sliding_window({left}, {right})"
+    return _Band(-left, right, name)
+
+
+class _KvBelow(_BuiltinMask):
+    """Attend iff ``kv_idx < limit`` (an int, or a per-batch ``[B]`` tensor of limits)."""
+
+    def __init__(self, limit: int | Tensor, name: str) -> None:
+        self.limit, self._name = limit, name
+        self._by_device: dict[torch.device, Tensor] = {}
+
+    def _limits(self, device: torch.device) -> Tensor:
+        assert isinstance(self.limit, Tensor)
+        t = self._by_device.get(device)
+        if t is None:
+            t = self.limit.to(device=device, dtype=torch.int64)
+            self._by_device[device] = t
+        return t
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if isinstance(self.limit, int):
+            return kv_idx < self.limit
+        return kv_idx < self._limits(kv_idx.device)[b]
+
+    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
+        if isinstance(self.limit, Tensor) and self.limit.shape[0] != B:
+            raise ValueError(
+                f"{self._name} has {self.limit.shape[0]} lengths but the batch size is {B}; "
+                f"give one key length per batch element"
+            )
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+def padding(lengths: Tensor) -> MaskMod:
+    """Key padding: attend iff ``kv_idx < lengths[b]``.
+
+    ``lengths`` is a 1-D integer tensor with one valid key count per batch element. For
+    ``lengths = [3, 5]`` and ``Lk = 5``, every query row of batch 0 is ``1 1 1 0 0`` and of
+    batch 1 is ``1 1 1 1 1``. A length of 0 masks every key: those rows give output 0.
+    """
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(
+            f"padding lengths must be a 1-D integer tensor, got {type(lengths).__name__}; "
+            f"use torch.tensor([...])"
+        )
+    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise ValueError(
+            f"padding lengths must be a 1-D integer tensor [B], got shape "
+            f"{tuple(lengths.shape)} and dtype {lengths.dtype}"
+        )
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"padding lengths must be >= 0, got {lengths.tolist()}")
+    return _KvBelow(lengths.detach(), f"qkv.padding({lengths.tolist()})")
+
+
+class _Document(_BuiltinMask):
+    """Attend iff ``ids[q_idx] == ids[kv_idx]``."""
+
+    def __init__(self, ids: Tensor) -> None:
+        self.ids = ids
+        self._by_device: dict[torch.device, Tensor] = {}
+
+    def _ids(self, device: torch.device) -> Tensor:
+        t = self._by_device.get(device)
+        if t is None:
+            t = self.ids.to(device)
+            self._by_device[device] = t
+        return t
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        ids = self._ids(q_idx.device)
+        return ids[q_idx] == ids[kv_idx]
+
+    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
+        n = self.ids.shape[0]
+        if n < max(Lq, Lk):
+            raise ValueError(
+                f"qkv.document ids has {n} entries but q_len={Lq} and kv_len={Lk}; the ids "
+                f"must cover max(q_len, kv_len) = {max(Lq, Lk)} positions"
+            )
+
+    def __repr__(self) -> str:
+        return f"qkv.document(<{self.ids.shape[0]} ids>)"
+
+
+def document(ids: Tensor) -> MaskMod:
+    """Document (packed-sequence) mask: attend iff ``ids[q_idx] == ids[kv_idx]``.
+
+    ``ids`` is a 1-D integer tensor giving each position's document, covering both lengths.
+    For ``ids = [0, 0, 1, 1, 1]``::
+
+        1 1 0 0 0
+        1 1 0 0 0
+        0 0 1 1 1
+        0 0 1 1 1
+        0 0 1 1 1
+
+    Combine with causal for packed causal training: ``and_masks(causal, document(ids))``.
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"document ids must be a 1-D tensor, got {type(ids).__name__}")
+    if ids.ndim != 1 or ids.dtype.is_floating_point:
+        raise ValueError(
+            f"document ids must be a 1-D integer tensor, got shape {tuple(ids.shape)} and "
+            f"dtype {ids.dtype}"
+        )
+    return _Document(ids.detach())
+
+
+def prefix_lm(n: int) -> MaskMod:
+    """Prefix-LM mask: attend iff ``kv_idx < n`` or ``q_idx >= kv_idx``.
+
+    The first ``n`` keys (the prefix) are visible to every query; the rest is causal.
+    ``prefix_lm(2)`` on ``Lq = Lk = 4``::
+
+        1 1 0 0
+        1 1 0 0
+        1 1 1 0
+        1 1 1 1
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"prefix_lm length must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"prefix_lm length must be >= 0, got {n}")
+    return _Or((_KvBelow(n, f"kv_idx < {n}"), causal), f"qkv.prefix_lm({n})")
+
+
+class _Combined(_BuiltinMask):
+    def __init__(self, mods: tuple[Any, ...], name: str) -> None:
+        self.mods, self._name = mods, name
+
+    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
+        for m in self.mods:
+            check = getattr(m, "_check_problem", None)
+            if check is not None:
+                check(B, H, Lq, Lk)
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+class _And(_Combined):
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
+        for m in self.mods[1:]:
+            out = out & _call_mod(m, b, h, q_idx, kv_idx)
+        return out
+
+
+class _Or(_Combined):
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
+        for m in self.mods[1:]:
+            out = out | _call_mod(m, b, h, q_idx, kv_idx)
+        return out
+
+
+def _call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    from ._validate import check_mask_result
+
+    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+    return check_mask_result(mod(b, h, q_idx, kv_idx), mod, shape)
+
+
+def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:
+    if not mods:
+        raise ValueError(f"{kind} needs at least one mask_mod")
+    for i, m in enumerate(mods):
+        if isinstance(m, torch.Tensor) or not callable(m):
+            raise TypeError(
+                f"{kind} argument {i} is a {type(m).__name__}; it combines mask_mod callables "
+                f"(b, h, q_idx, kv_idx) -> bool. Wrap a bool tensor t as "
+                f"lambda b, h, q, k: t[q, k]"
+            )
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    """Attend where *every* mask_mod allows: ``and_masks(causal, document(ids))``."""
+    _check_mods("and_masks", mods)
+    name = "qkv.and_masks(" + ", ".join(_name(m) for m in mods) + ")"
+    return _And(mods, name)
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    """Attend where *any* mask_mod allows: ``or_masks(sliding_window(64), global_tokens)``."""
+    _check_mods("or_masks", mods)
+    name = "qkv.or_masks(" + ", ".join(_name(m) for m in mods) + ")"
+    return _Or(mods, name)
+
+
+def _name(m: Any) -> str:
+    if isinstance(m, _BuiltinMask):
+        return repr(m)
+    return getattr(m, "__name__", type(m).__name__)

@@ -1,0 +1,93 @@
+"""The oracle: attention as the plain three-step formula.
+
+1. scores  = (q @ kᵀ) * scale, then the score_mod, then -inf where the mask forbids;
+2. weights = softmax(scores) per query row;
+3. out     = weights @ v.
+
+Every other backend is tested against this module. It favours obviousness over speed: it
+materialises the whole ``[B, Hq, Lq, Lk]`` score matrix and repeats K/V heads for GQA.
+The only care it takes is numerical: a row whose keys are all masked gets weights 0 (not
+NaN), output 0, log-sum-exp ``-inf`` and zero gradients, and huge scores never overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._dense import apply_score_mod, dense_mask
+from ._validate import Problem, validate
+
+Tensor = torch.Tensor
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: object = None,
+    score_mod: object = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention by the plain formula, returning ``(out, weights)``.
+
+    Args:
+        q: ``[B, Hq, Lq, D]`` (or unbatched ``[Hq, Lq, D]`` / ``[Lq, D]``).
+        k: ``[B, Hkv, Lk, D]`` with ``Hq % Hkv == 0``.
+        v: ``[B, Hkv, Lk, Dv]``.
+        mask, score_mod, scale: as in :func:`qkv.attention`.
+
+    Returns:
+        ``out [B, Hq, Lq, Dv]`` in q's dtype and ``weights [B, Hq, Lq, Lk]`` (float32 for
+        half inputs, else q's dtype), both with the unbatched dims dropped like the inputs.
+        Rows of ``weights`` sum to 1, or to 0 where every key is masked.
+
+    Example::
+
+        >>> import torch, qkv
+        >>> q, k, v = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6, 8)
+        >>> out, w = qkv.reference.attention(q, k, v)
+        >>> out.shape, w.shape
+        (torch.Size([4, 8]), torch.Size([4, 6]))
+    """
+    p = validate(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
+    out, _, weights = forward(p, dropout_p=0.0)
+    if p.orig_ndim == 2:
+        weights = weights[0, 0]  # [Lq, Lk]
+    elif p.orig_ndim == 3:
+        weights = weights[0]  # [Hq, Lq, Lk]
+    return p.restore(out), weights
+
+
+def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``out [B, Hq, Lq, Dv]``, ``lse [B, Hq, Lq]`` (float32) and ``weights [B, Hq, Lq, Lk]``."""
+    cdt = p.compute_dtype
+    g = p.groups
+    mask = dense_mask(p)  # evaluated first: a bad mask_mod fails before any arithmetic
+    k = p.k.to(cdt).repeat_interleave(g, dim=1)  # [B, Hq, Lk, D]: query head h uses kv head h//g
+    v = p.v.to(cdt).repeat_interleave(g, dim=1)  # [B, Hq, Lk, Dv]
+
+    scores = (p.q.to(cdt) @ k.transpose(-2, -1)) * p.scale  # [B, Hq, Lq, Lk]
+    scores = apply_score_mod(p, scores)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+
+    # Softmax written out so that all-masked rows give 0 instead of NaN: subtract the row
+    # maximum (treated as a constant, as softmax is invariant to it), exponentiate, normalise.
+    if p.Lk > 0:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()  # [B, Hq, Lq, 1]
+    else:  # no keys at all: every row is fully masked
+        row_max = scores.new_zeros((*scores.shape[:-1], 1))
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)  # [B, Hq, Lq, Lk]
+    denom = e.sum(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
+    seen = denom > 0
+    safe = torch.where(seen, denom, torch.ones_like(denom))
+    weights = e / safe
+    lse = torch.where(seen, torch.log(safe) + row_max, torch.full_like(denom, float("-inf")))
+
+    probs = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    out = probs @ v  # [B, Hq, Lq, Dv]
+    return out.to(p.dtype), lse.squeeze(-1).float(), weights
