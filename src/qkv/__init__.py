@@ -4,6 +4,7 @@ The public surface is what this module re-exports (``__all__``); everything else
 """
 
 from . import reference
+from .blockmask import BlockMask, block_mask
 from .functional import attention
 from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
 from .planner import Plan, plan, set_dense_limit
@@ -12,12 +13,14 @@ from .scores import alibi, alibi_slopes, relative_bias, softcap
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockMask",
     "Plan",
     "__version__",
     "alibi",
     "alibi_slopes",
     "and_masks",
     "attention",
+    "block_mask",
     "causal",
     "document",
     "or_masks",

@@ -14,14 +14,20 @@ import torch
 
 from ._validate import Problem, validate
 from .backends._base import Backend
+from .backends.blocksparse import BlocksparseBackend
 from .backends.reference import ReferenceBackend
 from .backends.sdpa import SdpaBackend
-from .masks import _Band
+from .blockmask import BlockMask, for_problem
+from .masks import _Band, causal
 
 Tensor = torch.Tensor
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (SdpaBackend(), ReferenceBackend())}
-AUTO_ORDER: list[str] = ["sdpa", "reference"]
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (SdpaBackend(), BlocksparseBackend(), ReferenceBackend())
+}
+# sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias);
+# blocksparse for everything else (masks, score_mods, lse); the reference as the last resort.
+AUTO_ORDER: list[str] = ["sdpa", "blocksparse", "reference"]
 
 _limit = {"bytes": 1 << 30}
 
@@ -64,6 +70,16 @@ def _check_backend_name(name: object) -> str:
     return name
 
 
+def _auto_skip(name: str, p: Problem) -> str | None:
+    """Why ``auto`` passes over a backend that could compute ``p`` but not well."""
+    if name == "sdpa" and p.mask is not None and p.mask is not causal:
+        return (
+            "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
+            "blocksparse skips the hidden blocks"
+        )
+    return None
+
+
 def select(p: Problem, backend: object) -> tuple[Backend, dict[str, str]]:
     """The backend that will run ``p`` and the reasons the others were passed over."""
     name = _check_backend_name(backend)
@@ -76,7 +92,7 @@ def select(p: Problem, backend: object) -> tuple[Backend, dict[str, str]]:
         return b, {n: "not requested (backend was named explicitly)" for n in BACKENDS if n != name}
     for n in AUTO_ORDER:
         b = BACKENDS[n]
-        why = b.rejects(p) or _too_big(b, p)
+        why = b.rejects(p) or _auto_skip(n, p) or _too_big(b, p)
         if why is None:
             return b, rejected
         rejected[n] = why
@@ -99,6 +115,10 @@ class Plan:
     flops: float  # multiply-adds x2 over the unmasked pairs (forward)
     extra_memory: int  # estimated peak bytes beyond inputs and output
     notes: list[str] = field(default_factory=list)
+    # Fraction of the score matrix inside visible tiles of the block mask (the share of the
+    # dense work the blocksparse backend does), and a summary of the tiles; None without one.
+    block_density: float | None = None
+    tiles: str | None = None
 
     def __str__(self) -> str:
         s = self.shape
@@ -108,6 +128,7 @@ class Plan:
             f"  problem : B={s['B']} Hq={s['Hq']} Hkv={s['Hkv']} Lq={s['Lq']} Lk={s['Lk']} "
             f"D={s['D']} Dv={s['Dv']} {str(self.dtype).replace('torch.', '')}",
             f"  mask    : {self.mask} (density {dens})",
+            *([f"  tiles   : {self.tiles}"] if self.tiles else []),
             f"  score   : {self.score_mod}",
             f"  cost    : {self.flops / 1e9:.3f} GFLOP forward, "
             f"~{_fmt_bytes(self.extra_memory)} extra memory",
@@ -139,7 +160,11 @@ def _density(p: Problem) -> float | None:
         return 1.0
     if n == 0:
         return 0.0
+    if isinstance(m, BlockMask):
+        m = m.mask
     if isinstance(m, Tensor):
+        if m.device.type == "meta":
+            return None
         return float(m.expand(p.shape).float().mean()) if m.numel() else 0.0
     if isinstance(m, _Band):
         i = torch.arange(p.Lq, dtype=torch.float64)
@@ -153,12 +178,29 @@ def explain(p: Problem, backend: object = "auto") -> Plan:
     """Build the :class:`Plan` for a validated problem."""
     b, rejected = select(p, backend)
     density = _density(p)
+    block_density, tiles = None, None
+    if b.name == "blocksparse" and p.mask is not None:
+        bm = for_problem(p)
+        assert bm is not None
+        block_density = bm.block_density()
+        n = bm.num_blocks
+        bq, bk = bm.block_size
+        tiles = (
+            f"{n['full'] + n['partial']} of {bm.states.numel()} tiles of {bq}x{bk} computed "
+            f"({n['partial']} partial), {block_density:.1%} of the dense work"
+        )
+        if bm.evaluated:
+            where = "on meta tensors (no data)" if p.device.type == "meta" else "tile by tile"
+            tiles += f"; evaluated {where}: {', '.join(bm.evaluated)}"
     pairs = p.B * p.Hq * p.Lq * p.Lk * (1.0 if density is None else density)
     kernel = b.kernel(p) if hasattr(b, "kernel") else "materialises the full score matrix"
     notes = []
     if b.name == "reference":
         notes.append("the reference materialises all Lq x Lk scores: O(n^2) memory")
-    if density is None:
+    if density is None and block_density is not None:
+        pairs = p.B * p.Hq * p.Lq * p.Lk * block_density
+        notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
+    elif density is None:
         notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
     return Plan(
         backend=b.name,
@@ -172,6 +214,8 @@ def explain(p: Problem, backend: object = "auto") -> Plan:
         flops=2.0 * pairs * (p.D + p.Dv),
         extra_memory=b.extra_memory(p),
         notes=notes,
+        block_density=block_density,
+        tiles=tiles,
     )
 
 

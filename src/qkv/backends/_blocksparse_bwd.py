@@ -1,0 +1,285 @@
+"""Backward kernels of the block-sparse engine: recompute each piece from the saved global
+``out`` and ``lse`` (O(n) memory), and add its exact share of the gradients.
+
+Why pieces can be differentiated independently: with the *global* row statistics, a piece's
+probabilities are ``P = exp(S - lse)`` and the softmax backward is
+``dS = P * (dP - D)`` with ``D = rowsum(dO * out)`` — both depend on the other pieces only
+through ``lse`` and ``out``, which are saved. A gradient flowing into ``lse`` itself adds
+``dlse * P`` to ``dS``, i.e. it replaces ``D`` by ``D - dlse``.
+
+The fused path calls torch's flash backward per piece (it computes ``D`` from the ``out`` it
+is given, so ``dlse`` is folded in through one extra value column: ``v' = [v, 0]``,
+``out' = [out, 1]``, ``dO' = [dO, -dlse]`` gives ``rowsum(dO' * out') = D - dlse`` and leaves
+``dP`` and ``dv`` unchanged). The matmul path does the algebra itself and, for callable
+score_mods, re-runs the score_mod on the piece under autograd to reach the score and any
+tensor the score_mod closes over.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._blocksparse_fwd import float_mask, fold, pad_last, unfold
+from ._blocksparse_job import Job, Piece
+
+Tensor = torch.Tensor
+
+_flash_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class Grads:
+    """Gradient accumulators in the compute dtype."""
+
+    def __init__(self, job: Job, q: Tensor, k: Tensor, v: Tensor, need: list[bool]) -> None:
+        cdt = job.p.compute_dtype
+        self.dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        self.dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+        self.dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+        b = job.bias
+        self.dbias = (
+            torch.zeros(b.shape, dtype=cdt, device=b.device) if b is not None and need[3] else None
+        )
+        self.dparams: list[Tensor | None] = [None] * len(job.params)
+
+    def add_keys(self, acc: Tensor, pc: Piece, g: Tensor) -> None:
+        """Add a piece's ``g [B, Hkv, span, X]`` into ``acc [B, Hkv, Lk, X]`` at its keys."""
+        g = g.to(acc.dtype)
+        if len(pc.runs) == 1:
+            k0, k1 = pc.runs[0]
+            acc[:, :, k0:k1] += g
+        else:
+            assert pc.index is not None
+            acc.index_add_(2, pc.index.to(acc.device), g)
+
+
+def _lse_for_bwd(lse: Tensor) -> Tensor:
+    # Rows with no visible key have lse -inf; every score of such a row is -inf too, so any
+    # finite value gives P = exp(-inf - x) = 0 there.
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def backward(
+    job: Job,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    need: list[bool],
+) -> Grads:
+    """Gradients of one call. ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` are the forward's
+    results; ``dlse`` is ``None`` when nothing flowed into the lse."""
+    if job.fused:
+        return _fused_backward(job, q, k, v, out, lse, dout, dlse, need)
+    return _matmul_backward(job, q, k, v, out, lse, dout, dlse, need)
+
+
+def _fused_backward(
+    job: Job,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    need: list[bool],
+) -> Grads:
+    p = job.p
+    D, Dv = p.D, p.Dv
+    kdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse dtype
+    lse_k = _lse_for_bwd(lse).to(kdt)
+    g = Grads(job, q, k, v, need)
+    dout = dout.to(q.dtype)
+    out = out.to(q.dtype)
+    if dlse is not None:
+        # One extra value column carries -dlse into D (see the module docstring).
+        v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)  # [B, Hkv, Lk, Dv+1]
+        out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)  # [B, Hq, Lq, Dv+1]
+        dout = torch.cat([dout, (-dlse).to(dout.dtype).unsqueeze(-1)], dim=-1)
+    dm = max(D, v.shape[-1])
+    qp, kp, vp = pad_last(q, dm), pad_last(k, dm), pad_last(v, dm)
+    outp, doutp = pad_last(out, dm), pad_last(dout, dm)
+    if job.whole:
+        dq, dk, dv = _flash_cpu_bwd(
+            doutp, qp, kp, vp, outp, lse_k, 0.0, job.is_causal, scale=p.scale
+        )
+        g.dq += dq[..., :D]
+        g.dk += dk[..., :D]
+        g.dv += dv[..., :Dv]
+        return g
+    for pieces in job.rows:
+        for pc in pieces:
+            r = slice(pc.q0, pc.q1)
+            fm = float_mask(job, pc, job.piece_mask(pc, q.device), q.dtype)
+            dq, dk, dv = _flash_cpu_bwd(
+                doutp[:, :, r],
+                qp[:, :, r],
+                pc.keys(kp),
+                pc.keys(vp),
+                outp[:, :, r],
+                lse_k[:, :, r],
+                0.0,
+                False,
+                attn_mask=fm,
+                scale=p.scale,
+            )
+            g.dq[:, :, r] += dq[..., :D]
+            g.add_keys(g.dk, pc, dk[..., :D])
+            g.add_keys(g.dv, pc, dv[..., :Dv])
+    return g
+
+
+def _matmul_backward(
+    job: Job,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    need: list[bool],
+) -> Grads:
+    p = job.p
+    cdt = p.compute_dtype
+    hkv = k.shape[1]
+    g = Grads(job, q, k, v, need)
+    # lse (float64) as hi + lo in the compute dtype: exp((s - hi) - lo) loses nothing to the
+    # rounding of a large lse (s - hi is exact where it matters, by Sterbenz's lemma).
+    lse64 = _lse_for_bwd(lse).double()
+    lse_hi = lse64.to(cdt)
+    lse_lo = (lse64 - lse_hi.double()).to(cdt)
+    for pieces in job.rows:
+        if not pieces:
+            continue
+        r = slice(pieces[0].q0, pieces[0].q1)
+        qb = q[:, :, r].to(cdt)  # [B, Hq, rows, D]
+        do = dout[:, :, r].to(cdt)  # [B, Hq, rows, Dv]
+        lse_r = (lse_hi[:, :, r].unsqueeze(-1), lse_lo[:, :, r].unsqueeze(-1))  # [B, Hq, rows, 1]
+        # D = sum_j P_ij dP_ij - dlse_i for the row. Summed from the pieces' own P and dP
+        # (rather than rowsum(dO * out)) so that every row of dS sums to zero to rounding, as
+        # plain autograd's softmax backward does: gradients that add up whole rows (a
+        # relative-position table's clamped edge, a key bias) then cancel as they should.
+        # A row split into several pieces needs a first pass to add up its D.
+        drow = torch.zeros_like(lse_r[0])
+        if dlse is not None:
+            drow = drow - dlse[:, :, r].to(cdt).unsqueeze(-1)
+        if len(pieces) > 1:
+            for pc in pieces:
+                kb, vb = pc.keys(k).to(cdt), pc.keys(v).to(cdt)  # [B, Hkv, span, D|Dv]
+                _, _, probs, dp = _piece_probs(job, pc, qb, kb, vb, do, lse_r, grad=False)
+                drow = drow + (probs * dp).sum(dim=-1, keepdim=True)
+        for pc in pieces:
+            kb, vb = pc.keys(k).to(cdt), pc.keys(v).to(cdt)  # [B, Hkv, span, D|Dv]
+            ds_raw = _piece_dscores(job, pc, g, qb, kb, vb, do, lse_r, drow, len(pieces) == 1)
+            # S = scale * q kᵀ  →  dq = scale * dS k,  dk = scale * dSᵀ q  (per kv group)
+            ds_f = fold(ds_raw, hkv)  # [B, Hkv, g*rows, span]
+            g.dq[:, :, r] += unfold(ds_f @ kb, p.Hq) * p.scale
+            g.add_keys(g.dk, pc, (ds_f.transpose(-2, -1) @ fold(qb, hkv)) * p.scale)
+    return g
+
+
+def _piece_probs(
+    job: Job,
+    pc: Piece,
+    qb: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    do: Tensor,
+    lse: tuple[Tensor, Tensor],
+    *,
+    grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Recompute a piece: ``(s_raw, s, P, dP)`` where ``s_raw = q kᵀ * scale``, ``s`` the
+    modified scores (with an autograd graph back to ``s_raw`` when ``grad`` and a callable
+    score_mod), ``P = exp(s - lse)`` masked, and ``dP`` the gradient reaching ``P`` (after
+    dropout's rescaling). All ``[B, Hq, rows, span]``."""
+    p = job.p
+    hkv = kb.shape[1]
+    with torch.no_grad():
+        s_raw = unfold(fold(qb, hkv) @ kb.transpose(-2, -1), p.Hq) * p.scale  # [B, Hq, rows, span]
+    m = job.piece_mask(pc, qb.device)
+    if job.score_mod is not None:
+        with torch.enable_grad() if grad else torch.no_grad():
+            s_raw.requires_grad_(grad)
+            s = job.apply_score_mod(s_raw, pc)
+    else:
+        bias = job.bias_slice(pc)
+        s = s_raw if bias is None else s_raw + bias.to(s_raw.dtype)
+    with torch.no_grad():
+        sm = s.detach()
+        if m is not None:
+            sm = sm.masked_fill(~m, float("-inf"))
+        probs = torch.exp((sm - lse[0]) - lse[1])  # [B, Hq, rows, span]
+        dp = unfold(fold(do, hkv) @ vb.transpose(-2, -1), p.Hq)  # [B, Hq, rows, span]
+        if p.dropout_p > 0:
+            keep = job.keep_mask(pc, tuple(probs.shape), probs.device)
+            dp = dp * keep / (1.0 - p.dropout_p)
+    return s_raw, s, probs, dp
+
+
+def _piece_dscores(
+    job: Job,
+    pc: Piece,
+    g: Grads,
+    qb: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    do: Tensor,
+    lse: tuple[Tensor, Tensor],
+    drow: Tensor,
+    single: bool,
+) -> Tensor:
+    """Recompute one piece and return the gradient of its raw scaled scores ``q kᵀ * scale``
+    ``[B, Hq, rows, span]``; adds the piece's ``dv``, ``dbias`` and score_mod parameter grads.
+    ``drow`` is ``-dlse`` for a row of one piece (its ``sum P dP`` is added here), else the
+    row's complete ``D``."""
+    p = job.p
+    hkv = kb.shape[1]
+    s_raw, s, probs, dp = _piece_probs(job, pc, qb, kb, vb, do, lse, grad=True)
+    with torch.no_grad():
+        if single:
+            drow = drow + (probs * dp).sum(dim=-1, keepdim=True)
+        pd = probs
+        if p.dropout_p > 0:
+            pd = probs * job.keep_mask(pc, tuple(probs.shape), probs.device) / (1.0 - p.dropout_p)
+        g.add_keys(g.dv, pc, fold(pd, hkv).transpose(-2, -1) @ fold(do, hkv))
+        ds = probs * (dp - drow)  # [B, Hq, rows, span]; 0 wherever P is 0 (hidden keys)
+    if g.dbias is not None:
+        _add_bias_grad(job, pc, g.dbias, ds)
+    if job.score_mod is None:
+        return ds
+    wrt = [s_raw, *job.params]
+    grads = torch.autograd.grad(s, wrt, ds, allow_unused=True)
+    for i, gp in enumerate(grads[1:]):
+        if gp is not None:
+            prev = g.dparams[i]
+            g.dparams[i] = gp if prev is None else prev + gp
+    return grads[0] if grads[0] is not None else torch.zeros_like(ds)
+
+
+def _add_bias_grad(job: Job, pc: Piece, dbias: Tensor, ds: Tensor) -> None:
+    """Sum ``ds [B, Hq, rows, span]`` over the bias's broadcast dims into ``dbias``."""
+    bias = job.bias
+    assert bias is not None
+    red = ds
+    for dim in (0, 1):
+        if bias.shape[dim] == 1:
+            red = red.sum(dim=dim, keepdim=True)
+    if bias.shape[2] == 1:
+        red = red.sum(dim=2, keepdim=True)
+    if bias.shape[3] == 1:
+        red = red.sum(dim=3, keepdim=True)
+    rows = slice(pc.q0, pc.q1) if bias.shape[2] > 1 else slice(None)
+    if bias.shape[3] == 1:
+        dbias[:, :, rows] += red
+    elif len(pc.runs) == 1:
+        k0, k1 = pc.runs[0]
+        dbias[:, :, rows, k0:k1] += red
+    else:
+        assert pc.index is not None
+        sub = dbias[:, :, rows]
+        sub.index_add_(3, pc.index.to(ds.device), red)

@@ -1,0 +1,281 @@
+"""The block-sparse engine's work list: which pieces of the score matrix to compute, how.
+
+A *piece* is one query block against a run of its visible key blocks. Most query blocks are
+one piece; a query block whose visible keys would need more than ``_PIECE_BUDGET`` scores at
+once (long rows with a score_mod, or a mask over very many keys) is split into several pieces
+whose results are merged by their log-sum-exp (the online softmax of FlashAttention).
+
+A :class:`Job` holds everything the forward and backward kernels need besides q, k, v: the
+pieces, the mask source, the score_mod or bias, dropout seeds, and which kernel family runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._validate import Problem, check_mask_result, check_score_result, index_tensors
+from ..blockmask import BlockMask, for_problem
+from ..masks import _Band
+
+Tensor = torch.Tensor
+
+# Scores (or float-mask entries) one piece may hold at once: 4 Mi elements = 16 MiB in
+# float32. Bounds the engine's extra memory whatever the sequence length (DESIGN.md: no path
+# silently needs O(n²) memory).
+_PIECE_BUDGET = 1 << 22
+
+
+@dataclass
+class Piece:
+    """One query block ``[q0, q1)`` against the keys ``runs`` (contiguous ``(k0, k1)`` key
+    ranges, increasing). ``masked`` lists ``(offset, k0, k1)`` sub-ranges, at ``offset`` within
+    the piece's keys, where the mask must be evaluated element-wise."""
+
+    q0: int
+    q1: int
+    runs: list[tuple[int, int]]
+    masked: list[tuple[int, int, int]]
+    seed: int
+    span: int = 0
+    index: Tensor | None = None  # key positions [span] when the runs are not one range
+
+    def __post_init__(self) -> None:
+        self.span = sum(k1 - k0 for k0, k1 in self.runs)
+
+    def keys(self, t: Tensor) -> Tensor:
+        """``t [B, H, Lk, X]`` restricted to this piece's keys: a view for one run, a gather
+        (copy) otherwise."""
+        if len(self.runs) == 1:
+            k0, k1 = self.runs[0]
+            return t[:, :, k0:k1]
+        assert self.index is not None
+        return t.index_select(2, self.index.to(t.device))
+
+    def key_positions(self, device: torch.device) -> Tensor:
+        if len(self.runs) == 1:
+            return torch.arange(*self.runs[0], device=device)
+        assert self.index is not None
+        return self.index.to(device)
+
+
+@dataclass
+class Job:
+    """Everything the kernels need for one call, besides the tensors."""
+
+    p: Problem
+    fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
+    whole: bool  # the whole problem is one fused call (no mask, or causal via is_causal)
+    is_causal: bool
+    bm: BlockMask | None
+    rows: list[list[Piece]]  # per query block, its pieces
+    mask_src: Any  # None, a 4-D bool tensor, or a mask_mod
+    bias: Tensor | None  # 4-D float bias
+    score_mod: Any  # callable or None
+    seed: int  # dropout seed for this call (drawn from torch's default generator)
+    mask_dims: tuple[int, int]  # (b', h') the mask varies over
+    params: list[Tensor] = field(default_factory=list)  # tensors a score_mod closes over
+
+    # -- masks -------------------------------------------------------------------------
+
+    def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
+        """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the
+        piece is visible to every row. Only the partial key blocks are evaluated."""
+        if not pc.masked or self.mask_src is None:
+            return None
+        rows = pc.q1 - pc.q0
+        if (
+            len(pc.masked) == 1
+            and pc.masked[0][0] == 0
+            and pc.masked[0][2] - pc.masked[0][1] == pc.span
+        ):
+            return self._eval(pc, pc.q0, pc.q1, None, device, rows)
+        m = torch.ones(1, 1, rows, pc.span, dtype=torch.bool, device=device)
+        for off, k0, k1 in pc.masked:
+            r = self._eval(pc, pc.q0, pc.q1, (k0, k1), device, rows)
+            lead = torch.broadcast_shapes(m.shape[:2], r.shape[:2])
+            if tuple(m.shape[:2]) != tuple(lead):
+                m = m.expand(*lead, rows, pc.span).clone()
+            m[:, :, :, off : off + (k1 - k0)] = r
+        return m
+
+    def _eval(
+        self,
+        pc: Piece,
+        q0: int,
+        q1: int,
+        krange: tuple[int, int] | None,
+        device: torch.device,
+        rows: int,
+    ) -> Tensor:
+        src = self.mask_src
+        p = self.p
+        if isinstance(src, Tensor):
+            rs = slice(q0, q1) if src.shape[2] > 1 else slice(None)
+            if src.shape[3] == 1:
+                m = src[:, :, rs, :]
+            elif krange is not None:
+                m = src[:, :, rs, krange[0] : krange[1]]
+            else:
+                m = pc.keys(src[:, :, rs].transpose(2, 3)).transpose(2, 3)  # [b', h', rows, span]
+            width = pc.span if krange is None else krange[1] - krange[0]
+            return m.expand(m.shape[0], m.shape[1], rows, width)
+        if krange is None:
+            ki = pc.key_positions(device).view(1, 1, 1, -1)  # [1, 1, 1, span]
+        else:
+            ki = torch.arange(*krange, device=device).view(1, 1, 1, -1)  # [1, 1, 1, k1-k0]
+        b, h, qi, _ = index_tensors(p.B, p.Hq, (q0, q1), (0, 0), device)
+        shape = (p.B, p.Hq, rows, ki.shape[-1])
+        m = check_mask_result(src(b, h, qi, ki), src, shape)
+        return m.expand(m.shape[0], m.shape[1], rows, ki.shape[-1])
+
+    # -- score_mod / bias ----------------------------------------------------------------
+
+    def bias_slice(self, pc: Piece) -> Tensor | None:
+        """The bias restricted to the piece: ``[Bb, Hb, rows|1, span|1]``."""
+        bias = self.bias
+        if bias is None:
+            return None
+        if bias.shape[2] > 1:
+            bias = bias[:, :, pc.q0 : pc.q1]
+        if bias.shape[3] > 1:
+            bias = pc.keys(bias.transpose(2, 3)).transpose(2, 3)
+        return bias
+
+    def apply_score_mod(self, s: Tensor, pc: Piece) -> Tensor:
+        """A callable score_mod on the piece's scores ``s [B, Hq, rows, span]``."""
+        p = self.p
+        b, h, qi, _ = index_tensors(p.B, p.Hq, (pc.q0, pc.q1), (0, 0), s.device)
+        ki = pc.key_positions(s.device).view(1, 1, 1, -1)  # [1, 1, 1, span]
+        out = self.score_mod(s, b, h, qi, ki)
+        out = check_score_result(out, self.score_mod, tuple(s.shape), s.dtype)
+        return out.expand(s.shape)
+
+    def keep_mask(self, pc: Piece, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """The dropout keep-pattern of a piece: the same in the forward and the backward."""
+        gen = torch.Generator(device=device)
+        gen.manual_seed((self.seed + 1_000_003 * pc.seed) % (1 << 63))
+        return torch.rand(shape, generator=gen, device=device) >= self.p.dropout_p
+
+
+def _causal_like(mask: Any) -> bool:
+    return isinstance(mask, _Band) and mask.lo is None and mask.hi == 0
+
+
+def _pieces(bm: BlockMask, max_span: int) -> list[list[Piece]]:
+    """Split each query block's visible key blocks into pieces of at most ``max_span`` keys
+    (at least one block each)."""
+    Lk = bm.shape[3]
+    bk = bm.block_size[1]
+    out: list[list[Piece]] = []
+    for i, row in enumerate(bm.rows()):
+        pieces: list[Piece] = []
+        chunk: list[tuple[int, bool]] = []
+        width = 0
+        for j, part in zip(row.blocks, row.partial, strict=True):
+            w = min(Lk, (j + 1) * bk) - j * bk
+            if chunk and width + w > max_span:
+                pieces.append(_make_piece(row.q0, row.q1, chunk, bk, Lk, i, len(pieces)))
+                chunk, width = [], 0
+            chunk.append((j, part))
+            width += w
+        if chunk:
+            pieces.append(_make_piece(row.q0, row.q1, chunk, bk, Lk, i, len(pieces)))
+        out.append(pieces)
+    return out
+
+
+def _make_piece(
+    q0: int, q1: int, blocks: list[tuple[int, bool]], bk: int, Lk: int, row: int, n: int
+) -> Piece:
+    runs: list[tuple[int, int]] = []
+    masked: list[tuple[int, int, int]] = []
+    off = 0
+    for j, part in blocks:
+        k0, k1 = j * bk, min(Lk, (j + 1) * bk)
+        if runs and runs[-1][1] == k0:
+            runs[-1] = (runs[-1][0], k1)
+        else:
+            runs.append((k0, k1))
+        if part:
+            if (
+                masked
+                and masked[-1][0] + (masked[-1][2] - masked[-1][1]) == off
+                and masked[-1][2] == k0
+            ):
+                masked[-1] = (masked[-1][0], masked[-1][1], k1)
+            else:
+                masked.append((off, k0, k1))
+        off += k1 - k0
+    pc = Piece(q0, q1, runs, masked, seed=row * 4096 + n)
+    if len(runs) > 1:
+        pc.index = torch.cat([torch.arange(a, b) for a, b in runs])
+    return pc
+
+
+def fused_ok(p: Problem) -> str | None:
+    """Why torch's fused CPU flash kernel cannot run this problem's pieces, or ``None``."""
+    if p.device.type != "cpu":
+        return f"tensors are on {p.device.type} (the fused flash kernel used here is CPU-only)"
+    if p.score_mod is not None and not isinstance(p.score_mod, Tensor):
+        return "a callable score_mod is applied block by block with explicit matmuls"
+    if isinstance(p.score_mod, Tensor):
+        if p.score_mod.requires_grad and torch.is_grad_enabled():
+            return "the bias needs a gradient, which the fused kernel does not return"
+        if p.dtype in (torch.float16, torch.bfloat16):
+            return "the contract adds the bias in float32; the fused kernel adds it in q's dtype"
+    if p.dropout_p > 0:
+        return "dropout must use the same pattern in forward and backward (explicit matmuls)"
+    if p.D == 0 or p.Dv == 0:
+        return "a head dim is 0"
+    return None
+
+
+def make_job(
+    p: Problem, *, block_size: int | tuple[int, int] | None = None, matmul: bool = False
+) -> Job:
+    """Plan one call: the block mask (built once, cached on the problem), the pieces, and
+    the kernel family (``matmul=True`` forces explicit matmuls)."""
+    fused = fused_ok(p) is None and not matmul
+    bias = p.score_mod if isinstance(p.score_mod, Tensor) else None
+    score_mod = p.score_mod if callable(p.score_mod) and bias is None else None
+    mask = p.mask
+    mask_src = mask.mask if isinstance(mask, BlockMask) else mask
+    whole_mask = mask is None or _causal_like(mask_src)
+    seed = int(torch.randint(0, 1 << 62, (1,)).item()) if p.dropout_p > 0 else 0
+    if fused and bias is None and whole_mask and p.Lk > 0:
+        return Job(p, True, True, mask is not None, None, [], None, None, None, seed, (1, 1))
+    bm = for_problem(p, block_size)
+    if bm is None:  # no mask: one all-full plan
+        from ..blockmask import block_mask as _bmk
+
+        bm = _bmk(_all_true, None, None, p.Lq, p.Lk, block_size=block_size)
+        mask_src = None
+    bq = bm.block_size[0]
+    md = (bm.states.shape[0], bm.states.shape[1])
+    if fused:
+        per_key = bq * md[0] * md[1]
+        if bias is not None:
+            per_key = bq * p.B * p.Hq
+    else:
+        per_key = bq * p.B * p.Hq
+    max_span = max(1, _PIECE_BUDGET // max(1, per_key))
+    rows = _pieces(bm, max_span)
+    return Job(p, fused, False, False, bm, rows, mask_src, bias, score_mod, seed, md)
+
+
+class _AllTrue:
+    """The mask of an unmasked problem: every tile full (so never evaluated)."""
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return torch.ones((), dtype=torch.bool).expand(q_idx.shape[-2], kv_idx.shape[-1])
+
+    def _block_states(self, g: Any) -> Tensor:
+        return torch.full((1, 1, g.nq, g.nk), 2, dtype=torch.int8)
+
+    __name__ = "no mask"
+
+
+_all_true = _AllTrue()
