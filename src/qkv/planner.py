@@ -54,6 +54,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _too_big(b: Backend, p: Problem) -> str | None:
+    if not getattr(b, "materialises_scores", True):
+        return None  # O(n) memory by construction (blocksparse): the dense limit is moot
     need = b.extra_memory(p)
     if need > _limit["bytes"]:
         return (

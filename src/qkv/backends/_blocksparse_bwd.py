@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ._blocksparse_fwd import float_mask, fold, pad_last, unfold
-from ._blocksparse_job import Job, Piece
+from ._blocksparse_fwd import float_mask, fold, pad_last, strided_blocks, unfold
+from ._blocksparse_job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
 
@@ -102,14 +102,26 @@ def _fused_backward(
     dm = max(D, v.shape[-1])
     qp, kp, vp = pad_last(q, dm), pad_last(k, dm), pad_last(v, dm)
     outp, doutp = pad_last(out, dm), pad_last(dout, dm)
-    if job.whole:
+    for q0, q1, k0, k1, causal in job.segments:
         dq, dk, dv = _flash_cpu_bwd(
-            doutp, qp, kp, vp, outp, lse_k, 0.0, job.is_causal, scale=p.scale
+            doutp[:, :, q0:q1],
+            qp[:, :, q0:q1],
+            kp[:, :, k0:k1],
+            vp[:, :, k0:k1],
+            outp[:, :, q0:q1],
+            lse_k[:, :, q0:q1],
+            0.0,
+            causal,
+            scale=p.scale,
         )
-        g.dq += dq[..., :D]
-        g.dk += dk[..., :D]
-        g.dv += dv[..., :Dv]
-        return g
+        g.dq[:, :, q0:q1] += dq[..., :D]
+        g.dk[:, :, k0:k1] += dk[..., :D]
+        g.dv[:, :, k0:k1] += dv[..., :Dv]
+    if job.groups:
+        qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
+        outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
+        for grp in job.groups:
+            _group_backward(job, grp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
     for pieces in job.rows:
         for pc in pieces:
             r = slice(pc.q0, pc.q1)
@@ -130,6 +142,44 @@ def _fused_backward(
             g.add_keys(g.dk, pc, dk[..., :D])
             g.add_keys(g.dv, pc, dv[..., :Dv])
     return g
+
+
+def _group_backward(
+    job: Job,
+    grp: BandGroup,
+    g: Grads,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    D: int,
+    Dv: int,
+) -> None:
+    """One band group's backward in a single fused call; the windows' key gradients overlap,
+    so they are added back one key-block offset at a time."""
+    p = job.p
+    job.group_mask(grp, q.device, q.dtype)
+    b, n, span = grp.b, grp.n, grp.w * grp.b
+    first_q, first_k = grp.i0 * b, (grp.i0 + grp.c) * b
+    dq, dk, dv = _flash_cpu_bwd(
+        strided_blocks(dout, first_q, n, b, b),
+        strided_blocks(q, first_q, n, b, b),
+        strided_blocks(k, first_k, n, span, b),
+        strided_blocks(v, first_k, n, span, b),
+        strided_blocks(out, first_q, n, b, b),
+        strided_blocks(lse.unsqueeze(-1), first_q, n, b, b).squeeze(-1),
+        0.0,
+        False,
+        attn_mask=grp.fmask,
+        scale=p.scale,
+    )  # [B*H, n, b|span, Dm]
+    strided_blocks(g.dq, first_q, n, b, b).add_(dq[..., :D])
+    for t in range(grp.w):
+        sl = slice(t * b, (t + 1) * b)
+        strided_blocks(g.dk, first_k + t * b, n, b, b).add_(dk[:, :, sl, :D])
+        strided_blocks(g.dv, first_k + t * b, n, b, b).add_(dv[:, :, sl, :Dv])
 
 
 def _matmul_backward(

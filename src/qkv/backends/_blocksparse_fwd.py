@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._blocksparse_job import Job, Piece
+from ._blocksparse_job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
 
@@ -171,6 +171,33 @@ def row_forward(
     return acc
 
 
+def strided_blocks(t: Tensor, first: int, n: int, rows: int, step: int) -> Tensor:
+    """``n`` windows of ``rows`` positions of ``t [B, H, L, X]`` (contiguous), starting at
+    position ``first`` and ``step`` apart, as a ``[B*H, n, rows, X]`` view (windows may
+    overlap). The fused kernel reads them as a batch of B*H and n "heads"."""
+    B, H, L, X = t.shape
+    return t.as_strided(
+        (B * H, n, rows, X), (L * X, step * X, X, 1), t.storage_offset() + first * X
+    )
+
+
+def group_forward(
+    job: Job, g: BandGroup, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+) -> None:
+    """One band group: a single fused call over strided views; writes ``out`` and ``lse``."""
+    p = job.p
+    job.group_mask(g, q.device, q.dtype)
+    span = g.w * g.b
+    qg = strided_blocks(q, g.i0 * g.b, g.n, g.b, g.b)  # [B*H, n, b, Dm]
+    kg = strided_blocks(k, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
+    vg = strided_blocks(v, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
+    o, l_ = _flash_cpu(qg, kg, vg, 0.0, False, attn_mask=g.fmask, scale=p.scale)
+    if g.dead is not None:
+        l_ = l_.masked_fill(g.dead.view(1, 1, g.b).expand_as(l_), float("-inf"))
+    strided_blocks(out, g.i0 * g.b, g.n, g.b, g.b).copy_(o[..., : out.shape[-1]])
+    strided_blocks(lse.unsqueeze(-1), g.i0 * g.b, g.n, g.b, g.b).copy_(l_.unsqueeze(-1))
+
+
 def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """The whole call: ``out [B, Hq, Lq, Dv]`` in q's dtype and ``lse [B, Hq, Lq]`` in
     float64 (``-inf`` on rows with no visible key)."""
@@ -179,14 +206,24 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if job.fused:
         dm = max(p.D, p.Dv)
         q, k, v = pad_last(q, dm), pad_last(k, dm), pad_last(v, dm)
-    if job.whole:
-        out, lse = _flash_cpu(q, k, v, 0.0, job.is_causal, scale=p.scale)
+    if len(job.segments) == 1 and job.segments[0][:4] == (0, Lq, 0, p.Lk):
+        out, lse = _flash_cpu(q, k, v, 0.0, job.segments[0][4], scale=p.scale)
         return out[..., :Dv], lse.double()
     out = q.new_zeros(B, Hq, Lq, Dv)
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)
+    for q0, q1, k0, k1, causal in job.segments:
+        o, l_ = _flash_cpu(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=p.scale
+        )
+        out[:, :, q0:q1] = o[..., :Dv]
+        lse[:, :, q0:q1] = l_
+    if job.groups:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        for g in job.groups:
+            group_forward(job, g, q, k, v, out, lse)
     for pieces in job.rows:
         if not pieces:
-            continue  # a query block that sees nothing: output 0, lse -inf
+            continue  # a query block that sees nothing (or one a band group computed)
         q0, q1 = pieces[0].q0, pieces[0].q1
         o, l_ = row_forward(job, pieces, q, k, v)
         out[:, :, q0:q1] = o[..., :Dv]

@@ -18,7 +18,7 @@ import torch
 
 from .._validate import Problem, check_mask_result, check_score_result, index_tensors
 from ..blockmask import BlockMask, for_problem
-from ..masks import _Band
+from ..masks import _And, _Band, _Document
 
 Tensor = torch.Tensor
 
@@ -62,15 +62,36 @@ class Piece:
 
 
 @dataclass
+class BandGroup:
+    """Query blocks ``i0 .. i0+n-1`` (all full-size) that see key blocks ``i+c .. i+c+w-1``
+    with one and the same mask pattern (a band mask is translation invariant): one fused
+    kernel call over strided views covers them all, with one ``[b, w*b]`` additive mask."""
+
+    i0: int
+    n: int
+    c: int
+    w: int
+    b: int
+    fmask: Tensor | None = None  # [1, 1, b, w*b] additive mask in q's dtype (None: no mask)
+    dead: Tensor | None = None  # [1, 1, b] rows that see no key (lse must be -inf)
+    ready: bool = False
+
+
+# A segment is one mask-free fused call: queries [q0, q1) against keys [k0, k1), causal
+# (top-left aligned inside the segment) or not.
+Segment = tuple[int, int, int, int, bool]
+
+
+@dataclass
 class Job:
     """Everything the kernels need for one call, besides the tensors."""
 
     p: Problem
     fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
-    whole: bool  # the whole problem is one fused call (no mask, or causal via is_causal)
-    is_causal: bool
+    segments: list[Segment]  # mask-free fused calls covering the problem (else empty)
+    groups: list[BandGroup]  # batched runs of identical band rows (fused only)
     bm: BlockMask | None
-    rows: list[list[Piece]]  # per query block, its pieces
+    rows: list[list[Piece]]  # per query block, its pieces (empty where a group covers it)
     mask_src: Any  # None, a 4-D bool tensor, or a mask_mod
     bias: Tensor | None  # 4-D float bias
     score_mod: Any  # callable or None
@@ -79,6 +100,24 @@ class Job:
     params: list[Tensor] = field(default_factory=list)  # tensors a score_mod closes over
 
     # -- masks -------------------------------------------------------------------------
+
+    def group_mask(self, g: BandGroup, device: torch.device, dtype: torch.dtype) -> None:
+        """Evaluate a band group's shared mask once (from its first row)."""
+        if g.ready:
+            return
+        span = g.w * g.b
+        q0, k0 = g.i0 * g.b, (g.i0 + g.c) * g.b
+        b, h, qi, _ = index_tensors(1, 1, (q0, q0 + g.b), (0, 0), device)
+        ki = torch.arange(k0, k0 + span, device=device).view(1, 1, 1, -1)  # [1, 1, 1, span]
+        m = check_mask_result(self.mask_src(b, h, qi, ki), self.mask_src, (1, 1, g.b, span))
+        m = m.expand(1, 1, g.b, span)
+        if not bool(m.all()):
+            g.fmask = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(
+                ~m, float("-inf")
+            )
+            dead = ~m.any(dim=-1)  # [1, 1, b]
+            g.dead = dead if bool(dead.any()) else None
+        g.ready = True
 
     def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
         """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the
@@ -243,17 +282,18 @@ def make_job(
     score_mod = p.score_mod if callable(p.score_mod) and bias is None else None
     mask = p.mask
     mask_src = mask.mask if isinstance(mask, BlockMask) else mask
-    whole_mask = mask is None or _causal_like(mask_src)
     seed = int(torch.randint(0, 1 << 62, (1,)).item()) if p.dropout_p > 0 else 0
-    if fused and bias is None and whole_mask and p.Lk > 0:
-        return Job(p, True, True, mask is not None, None, [], None, None, None, seed, (1, 1))
+    if fused and bias is None and p.Lk > 0:
+        segments = _segments(p, mask_src)
+        if segments:
+            return Job(p, True, segments, [], None, [], None, None, None, seed, (1, 1))
     bm = for_problem(p, block_size)
     if bm is None:  # no mask: one all-full plan
         from ..blockmask import block_mask as _bmk
 
         bm = _bmk(_all_true, None, None, p.Lq, p.Lk, block_size=block_size)
         mask_src = None
-    bq = bm.block_size[0]
+    bq, bk = bm.block_size
     md = (bm.states.shape[0], bm.states.shape[1])
     if fused:
         per_key = bq * md[0] * md[1]
@@ -263,7 +303,71 @@ def make_job(
         per_key = bq * p.B * p.Hq
     max_span = max(1, _PIECE_BUDGET // max(1, per_key))
     rows = _pieces(bm, max_span)
-    return Job(p, fused, False, False, bm, rows, mask_src, bias, score_mod, seed, md)
+    groups: list[BandGroup] = []
+    band = isinstance(mask_src, _Band) or (mask_src is None)
+    if fused and bias is None and band and md == (1, 1) and p.Hq == p.Hkv and bq == bk:
+        per_block = p.B * p.Hq * bq * max(p.D, p.Dv)
+        groups = _band_groups(rows, bq, p.Lq, p.Lk, max(2, _PIECE_BUDGET // per_block))
+    return Job(p, fused, [], groups, bm, rows, mask_src, bias, score_mod, seed, md)
+
+
+def _segments(p: Problem, mask: Any) -> list[Segment]:
+    """Mask-free fused calls that compute the problem exactly, if there are any: the whole
+    problem for no mask or causal (the kernel's ``is_causal`` is top-left aligned, as
+    :data:`qkv.causal`), and one call per document for sorted document ids (optionally with
+    causal): documents are independent attention problems."""
+    if mask is None or _causal_like(mask):
+        return [(0, p.Lq, 0, p.Lk, mask is not None)]
+    if p.Lq != p.Lk:
+        return []
+    doc, causal = None, False
+    if isinstance(mask, _Document):
+        doc = mask
+    elif isinstance(mask, _And) and len(mask.mods) == 2:
+        a, b = mask.mods
+        if _causal_like(a) and isinstance(b, _Document):
+            doc, causal = b, True
+        elif _causal_like(b) and isinstance(a, _Document):
+            doc, causal = a, True
+    if doc is None:
+        return []
+    ids = doc.ids.detach().to("cpu")[: p.Lq]
+    if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
+        return []
+    starts = [0, *(torch.nonzero(ids[1:] != ids[:-1]).view(-1) + 1).tolist()]
+    if len(starts) > max(8, p.Lq // 128):  # many tiny documents: tiles do better
+        return []
+    ends = [*starts[1:], p.Lq]
+    return [(a, b, a, b, causal) for a, b in zip(starts, ends, strict=True)]
+
+
+def _band_groups(rows: list[list[Piece]], b: int, Lq: int, Lk: int, max_n: int) -> list[BandGroup]:
+    """Batch consecutive query blocks whose pieces are the same band pattern shifted by one
+    block each; their entries in ``rows`` are emptied (the group computes them)."""
+    groups: list[BandGroup] = []
+
+    def key(i: int) -> tuple[Any, ...] | None:
+        pcs = rows[i]
+        if len(pcs) != 1 or len(pcs[0].runs) != 1 or pcs[0].q1 - pcs[0].q0 != b:
+            return None
+        k0, k1 = pcs[0].runs[0]
+        if k0 % b or (k1 - k0) % b:
+            return None  # a short last key block
+        rel = tuple((off, a - k0, c - k0) for off, a, c in pcs[0].masked)
+        return (k0 // b - i, (k1 - k0) // b, rel)
+
+    i = 0
+    while i < len(rows):
+        kk = key(i)
+        j = i + 1
+        while kk is not None and j < len(rows) and j - i < max_n and key(j) == kk:
+            j += 1
+        if kk is not None and j - i >= 2:
+            groups.append(BandGroup(i, j - i, kk[0], kk[1], b))
+            for r in range(i, j):
+                rows[r] = []
+        i = j
+    return groups
 
 
 class _AllTrue:

@@ -1,0 +1,152 @@
+"""backend="auto" and qkv.plan: sdpa where the problem maps onto torch's kernel directly,
+blocksparse otherwise, the reference never silently beyond the dense limit; plans explain
+themselves."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import qkv
+from qkv import planner
+
+
+def _x(B=1, Hq=4, Hkv=4, Lq=256, Lk=256, D=16, device="cpu"):
+    q = torch.randn(B, Hq, Lq, D, device=device)
+    k = torch.randn(B, Hkv, Lk, D, device=device)
+    return q, k, k
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"mask": qkv.causal},
+        {"score_mod": torch.randn(256, 256)},
+        {"dropout_p": 0.1},
+    ],
+    ids=["none", "causal", "bias", "dropout"],
+)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_auto_picks_sdpa_where_it_maps_directly(kw, heads):
+    q, k, v = _x(Hq=heads[0], Hkv=heads[1])
+    plan = qkv.plan(q, k, v, **kw)
+    assert plan.backend == "sdpa"
+    assert plan.rejected == {}
+
+
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        ({"mask": qkv.sliding_window(16)}, "dense"),
+        ({"mask": qkv.document(torch.arange(256) // 100)}, "dense"),
+        ({"mask": lambda b, h, q, k: (q - k) % 2 == 0}, "dense"),
+        ({"mask": torch.rand(256, 256) > 0.5}, "dense"),
+        ({"mask": qkv.block_mask(qkv.causal, 1, 4, 256, 256)}, "dense"),
+        ({"return_lse": True}, "log-sum-exp"),
+        ({"mask": qkv.causal, "return_lse": True}, "log-sum-exp"),
+        ({"score_mod": qkv.softcap(20.0)}, "score_mod"),
+        ({"score_mod": qkv.alibi(qkv.alibi_slopes(4)), "mask": qkv.causal}, "score_mod"),
+    ],
+    ids=[
+        "window",
+        "document",
+        "mask_mod",
+        "bool",
+        "block_mask",
+        "lse",
+        "causal_lse",
+        "softcap",
+        "alibi",
+    ],
+)
+def test_auto_picks_blocksparse_otherwise(kw, why):
+    q, k, v = _x()
+    plan = qkv.plan(q, k, v, **kw)
+    assert plan.backend == "blocksparse"
+    assert why in plan.rejected["sdpa"]
+    # auto really runs it, and it is right.
+    out = qkv.attention(q, k, v, **kw)
+    out = out[0] if isinstance(out, tuple) else out
+    ref, _ = qkv.reference.attention(q, k, v, mask=kw.get("mask"), score_mod=kw.get("score_mod"))
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_explains_itself():
+    q, k, v = _x(Lq=4096, Lk=4096, D=64, Hq=8, Hkv=8)
+    plan = qkv.plan(q, k, v, mask=qkv.sliding_window(256))
+    text = str(plan)
+    assert "backend 'blocksparse'" in text
+    assert "sdpa:" in text and "dense" in text  # why SDPA was passed over
+    assert "density 6.1%" in text  # exact for a band: (257*4096 - 256*257/2) / 4096²
+    assert "tiles" in text and "of 1024 tiles of 128x128" in text
+    assert plan.block_density is not None and 0.061 < plan.block_density < 0.1
+    want = 4 * 8 * 64 * (257 * 4096 - 256 * 257 / 2)  # 2 matmuls x 2 FLOPs, visible pairs only
+    assert plan.flops == pytest.approx(want)
+    assert plan.extra_memory < 64 << 20
+
+
+def test_plan_for_document_masks_uses_tile_density():
+    ids = torch.arange(4096) // 512  # 8 documents of 512
+    q, k, v = _x(Lq=4096, Lk=4096)
+    plan = qkv.plan(q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)))
+    assert plan.density is None  # not known exactly without evaluating positions...
+    assert plan.block_density == pytest.approx(8 * (4 * 5 / 2) / 32**2)  # ...but tiles are
+    assert "FLOPs count every position of visible tiles" in str(plan)
+
+
+def test_plan_on_meta_tensors_costs_nothing_and_is_bounded():
+    """`qkv plan` uses meta tensors: even n = 65536 plans instantly, and the engine's
+    estimated extra memory for a 256 window stays far below the 128 GiB of dense scores."""
+    q = torch.empty(1, 8, 65536, 64, device="meta")
+    t = time.perf_counter()
+    plan = qkv.plan(q, q, q, mask=qkv.sliding_window(256))
+    assert time.perf_counter() - t < 5.0
+    assert plan.backend == "blocksparse"
+    assert plan.extra_memory < 256 << 20
+    plan = qkv.plan(q, q, q, mask=lambda b, h, i, j: i >= j)
+    assert "evaluated on meta tensors" in str(plan)
+
+
+def test_dense_limit_refuses_the_reference_but_auto_never_raises():
+    q, k, v = _x(Lq=512, Lk=512)
+    old = qkv.set_dense_limit(1 << 20)
+    try:
+        with pytest.raises(ValueError, match="dense limit"):
+            qkv.attention(q, k, v, mask=qkv.causal, backend="reference")
+        plan = qkv.plan(q, k, v, mask=lambda b, h, i, j: i >= j, return_lse=True)
+        assert plan.backend == "blocksparse"
+        _, lse = qkv.attention(q, k, v, mask=lambda b, h, i, j: i >= j, return_lse=True)
+        assert torch.isfinite(lse).all()
+    finally:
+        qkv.set_dense_limit(old)
+
+
+def test_named_backends():
+    q, k, v = _x()
+    with pytest.raises(ValueError, match="'blocksparse'"):
+        qkv.attention(q, k, v, backend="flash")
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        qkv.attention(q, k, v, backend="sdpa", return_lse=True)
+    plan = qkv.plan(q, k, v, backend="blocksparse")
+    assert plan.backend == "blocksparse"
+    assert "whole problem" in plan.kernel
+    plan = qkv.plan(q, k, v, backend="blocksparse", mask=qkv.sliding_window(8))
+    assert "per query block" in plan.kernel
+    plan = qkv.plan(q, k, v, backend="blocksparse", score_mod=qkv.softcap(5.0))
+    assert "explicit matmuls" in plan.kernel
+
+
+def test_auto_order_and_registry():
+    assert planner.AUTO_ORDER == ["sdpa", "blocksparse", "reference"]
+    assert set(planner.BACKENDS) == {"sdpa", "blocksparse", "reference"}
+
+
+def test_cli_plan_shows_blocksparse(capsys):
+    from qkv.cli import main
+
+    assert main(["plan", "--q-len", "16384", "--mask", "window:256"]) == 0
+    out = capsys.readouterr().out
+    assert "blocksparse" in out and "tiles" in out
