@@ -242,26 +242,23 @@ def test_block_mask_reused_across_calls_and_layers():
     assert len(calls) - planned <= 3 * n_partial
 
 
+def _work(rows, groups) -> int:
+    """Score positions a schedule computes."""
+    pieces = sum((pc.q1 - pc.q0) * pc.span for row in rows for pc in row)
+    return pieces + sum(g.n * g.b * g.w * g.b for g in groups)
+
+
 def test_mask_mod_builds_a_block_mask_on_the_fly():
     """A mask_mod (not a prebuilt block mask) is planned per call: the engine computes only
-    visible tiles, which the work counter shows."""
+    a band of tiles (forward and backward schedules alike), not 1024²."""
     q, k, v = _qkv(Lq=1024, Lk=1024, B=1, Hq=1, Hkv=1)
-    seen = []
-    orig = job_mod._make_piece
-
-    def spy(*a, **kw):
-        pc = orig(*a, **kw)
-        seen.append((pc.q1 - pc.q0) * pc.span)
-        return pc
-
-    job_mod._make_piece = spy
-    try:
-        out = blocksparse(q, k, v, mask=qkv.sliding_window(100))
-    finally:
-        job_mod._make_piece = orig
+    out = blocksparse(q, k, v, mask=qkv.sliding_window(100))
     want, _ = qkv.reference.attention(q, k, v, mask=qkv.sliding_window(100))
     torch.testing.assert_close(out, want)
-    assert sum(seen) <= 1024 * (100 + 2 * 128)  # a band of tiles, not 1024²
+    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=qkv.sliding_window(100)))
+    assert job.groups and job.fwd_groups  # batched band rows, in both schedules
+    assert _work(job.rows, job.groups) <= 1024 * (101 + 2 * 128)
+    assert _work(job.fwd_rows, job.fwd_groups) <= 1024 * (101 + 2 * 32)
 
 
 # ------------------------------------------------------------- score_mod-captured gradients

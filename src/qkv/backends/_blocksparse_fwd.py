@@ -209,23 +209,32 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if len(job.segments) == 1 and job.segments[0][:4] == (0, Lq, 0, p.Lk):
         out, lse = _flash_cpu(q, k, v, 0.0, job.segments[0][4], scale=p.scale)
         return out[..., :Dv], lse.double()
-    out = q.new_zeros(B, Hq, Lq, Dv)
+    rows = job.rows if job.fwd_rows is None else job.fwd_rows
+    groups = job.groups if job.fwd_groups is None else job.fwd_groups
+    # Rows that nothing writes see no key: output 0 (filled below), lse -inf.
+    out = q.new_empty(B, Hq, Lq, Dv)
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)
+    written = torch.zeros(Lq, dtype=torch.bool)
     for q0, q1, k0, k1, causal in job.segments:
         o, l_ = _flash_cpu(
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=p.scale
         )
         out[:, :, q0:q1] = o[..., :Dv]
         lse[:, :, q0:q1] = l_
-    if job.groups:
+        written[q0:q1] = True
+    if groups:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        for g in job.groups:
+        for g in groups:
             group_forward(job, g, q, k, v, out, lse)
-    for pieces in job.rows:
+            written[g.i0 * g.b : (g.i0 + g.n) * g.b] = True
+    for pieces in rows:
         if not pieces:
             continue  # a query block that sees nothing (or one a band group computed)
         q0, q1 = pieces[0].q0, pieces[0].q1
         o, l_ = row_forward(job, pieces, q, k, v)
         out[:, :, q0:q1] = o[..., :Dv]
         lse[:, :, q0:q1] = l_
+        written[q0:q1] = True
+    if not bool(written.all()):
+        out[:, :, ~written.to(out.device)] = 0
     return out, lse

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._validate import Problem, check_mask_result, check_score_result, index_tensors
-from ..blockmask import BlockMask, for_problem
+from ..blockmask import BlockMask, block_mask, for_problem
 from ..masks import _And, _Band, _Document
 
 Tensor = torch.Tensor
@@ -98,6 +98,9 @@ class Job:
     seed: int  # dropout seed for this call (drawn from torch's default generator)
     mask_dims: tuple[int, int]  # (b', h') the mask varies over
     params: list[Tensor] = field(default_factory=list)  # tensors a score_mod closes over
+    # The forward may use its own, finer schedule (band masks: see make_job); None = the same.
+    fwd_rows: list[list[Piece]] | None = None
+    fwd_groups: list[BandGroup] | None = None
 
     # -- masks -------------------------------------------------------------------------
 
@@ -289,9 +292,7 @@ def make_job(
             return Job(p, True, segments, [], None, [], None, None, None, seed, (1, 1))
     bm = for_problem(p, block_size)
     if bm is None:  # no mask: one all-full plan
-        from ..blockmask import block_mask as _bmk
-
-        bm = _bmk(_all_true, None, None, p.Lq, p.Lk, block_size=block_size)
+        bm = block_mask(_all_true, None, None, p.Lq, p.Lk, block_size=block_size)
         mask_src = None
     bq, bk = bm.block_size
     md = (bm.states.shape[0], bm.states.shape[1])
@@ -303,12 +304,29 @@ def make_job(
         per_key = bq * p.B * p.Hq
     max_span = max(1, _PIECE_BUDGET // max(1, per_key))
     rows = _pieces(bm, max_span)
-    groups: list[BandGroup] = []
+    job = Job(p, fused, [], [], bm, rows, mask_src, bias, score_mod, seed, md)
     band = isinstance(mask_src, _Band) or (mask_src is None)
     if fused and bias is None and band and md == (1, 1) and p.Hq == p.Hkv and bq == bk:
-        per_block = p.B * p.Hq * bq * max(p.D, p.Dv)
-        groups = _band_groups(rows, bq, p.Lq, p.Lk, max(2, _PIECE_BUDGET // per_block))
-    return Job(p, fused, [], groups, bm, rows, mask_src, bias, score_mod, seed, md)
+        job.groups = _band_groups(rows, bq, _max_group(p, bq))
+        if not isinstance(mask, BlockMask) and mask_src is not None and bq > _FWD_BAND_BLOCK:
+            # Measured (benchmarks/RESULTS.md): the fused forward kernel runs a 256-wide
+            # window fastest with 32-row blocks (less of each tile is masked off), while
+            # its backward prefers 128. Both are exact with the global out and lse, so
+            # the forward takes its own, finer schedule.
+            fbm = block_mask(mask_src, None, None, p.Lq, p.Lk, block_size=_FWD_BAND_BLOCK)
+            job.fwd_rows = _pieces(fbm, max_span)
+            job.fwd_groups = _band_groups(
+                job.fwd_rows, _FWD_BAND_BLOCK, _max_group(p, _FWD_BAND_BLOCK)
+            )
+    return job
+
+
+_FWD_BAND_BLOCK = 32
+
+
+def _max_group(p: Problem, b: int) -> int:
+    """Query blocks per band-group call: bounds the kernel's output chunk to the budget."""
+    return max(2, _PIECE_BUDGET // (p.B * p.Hq * b * max(p.D, p.Dv)))
 
 
 def _segments(p: Problem, mask: Any) -> list[Segment]:
@@ -341,7 +359,7 @@ def _segments(p: Problem, mask: Any) -> list[Segment]:
     return [(a, b, a, b, causal) for a, b in zip(starts, ends, strict=True)]
 
 
-def _band_groups(rows: list[list[Piece]], b: int, Lq: int, Lk: int, max_n: int) -> list[BandGroup]:
+def _band_groups(rows: list[list[Piece]], b: int, max_n: int) -> list[BandGroup]:
     """Batch consecutive query blocks whose pieces are the same band pattern shifted by one
     block each; their entries in ``rows`` are emptied (the group computes them)."""
     groups: list[BandGroup] = []
