@@ -134,7 +134,12 @@ def test_named_backends():
     assert plan.backend == "blocksparse"
     assert "whole problem" in plan.kernel
     plan = qkv.plan(q, k, v, backend="blocksparse", mask=qkv.sliding_window(8))
-    assert "per query block" in plan.kernel
+    assert "batched along the band" in plan.kernel
+    plan = qkv.plan(q, k, v, backend="blocksparse", mask=lambda b, h, i, j: i % 3 != j % 2)
+    assert "per query block, visible key blocks only" in plan.kernel
+    ids = torch.arange(256) // 64
+    plan = qkv.plan(q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)))
+    assert "once per document (4 calls)" in plan.kernel
     plan = qkv.plan(q, k, v, backend="blocksparse", score_mod=qkv.softcap(5.0))
     assert "explicit matmuls" in plan.kernel
 
@@ -149,4 +154,4 @@ def test_cli_plan_shows_blocksparse(capsys):
 
     assert main(["plan", "--q-len", "16384", "--mask", "window:256"]) == 0
     out = capsys.readouterr().out
-    assert "blocksparse" in out and "tiles" in out
+    assert "blocksparse" in out and "tiles" in out and "batched along the band" in out

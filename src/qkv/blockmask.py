@@ -119,7 +119,7 @@ def _evaluate(mod: Any, g: _Grid) -> Tensor:
                 b, h, qi, ki = index_tensors(g.B, g.H, (r0, r1), (c0, c1), g.device)
                 shape = (g.B, g.H, r1 - r0, c1 - c0)
                 m = check_mask_result(mod(b, h, qi, ki), mod, shape)
-            tile = _reduce_tile(m, r1 - r0, c1 - c0, g.bq, g.bk)  # [b', h', nrb, ncb]
+            tile = _reduce_tile(m, r1 - r0, c1 - c0, g.bq, g.bk).cpu()  # [b', h', nrb, ncb]
             if states is None or states.shape[:2] != tile.shape[:2]:
                 lead = (
                     tile.shape[:2]

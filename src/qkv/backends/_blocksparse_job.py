@@ -259,7 +259,7 @@ def _make_piece(
 
 def fused_ok(p: Problem) -> str | None:
     """Why torch's fused CPU flash kernel cannot run this problem's pieces, or ``None``."""
-    if p.device.type != "cpu":
+    if p.device.type not in ("cpu", "meta"):  # meta: `qkv plan` describing a CPU run
         return f"tensors are on {p.device.type} (the fused flash kernel used here is CPU-only)"
     if p.score_mod is not None and not isinstance(p.score_mod, Tensor):
         return "a callable score_mod is applied block by block with explicit matmuls"

@@ -25,10 +25,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._validate import Problem, index_tensors
+from ..blockmask import BlockMask
+from ..masks import _Band
 from ._base import Backend
 from ._blocksparse_bwd import backward
 from ._blocksparse_fwd import forward, row_forward
-from ._blocksparse_job import _PIECE_BUDGET, Job, fused_ok, make_job
+from ._blocksparse_job import _PIECE_BUDGET, Job, _segments, fused_ok, make_job
 
 Tensor = torch.Tensor
 
@@ -81,13 +83,23 @@ class BlocksparseBackend(Backend):
         return None
 
     def kernel(self, p: Problem) -> str:
+        """How this backend will compute ``p`` (for :func:`qkv.plan`)."""
         why = fused_ok(p)
-        if why is None:
-            m = p.mask
-            if isinstance(p.score_mod, Tensor) or not (m is None or _causal(m)):
-                return "torch's fused CPU flash kernel per query block, visible key blocks only"
-            return "torch's fused CPU flash kernel on the whole problem (it returns the lse)"
-        return f"explicit matmuls per block ({why})"
+        if why is not None:
+            return f"explicit matmuls per block ({why})"
+        mask = p.mask.mask if isinstance(p.mask, BlockMask) else p.mask
+        if not isinstance(p.score_mod, Tensor) and p.Lk > 0:
+            segs = _segments(p, mask)
+            if len(segs) == 1 and segs[0][:2] == (0, p.Lq):
+                return "torch's fused CPU flash kernel on the whole problem (it returns the lse)"
+            if segs:
+                return f"torch's fused CPU flash kernel once per document ({len(segs)} calls)"
+            if isinstance(mask, _Band) and p.Hq == p.Hkv:
+                return (
+                    "torch's fused CPU flash kernel, query blocks batched along the band "
+                    "(strided views, visible key blocks only)"
+                )
+        return "torch's fused CPU flash kernel per query block, visible key blocks only"
 
     def extra_memory(self, p: Problem) -> int:
         cdt = torch.finfo(p.compute_dtype).bits // 8
@@ -149,15 +161,6 @@ _HUGE_LSE = 128.0
 def _huge(lse: Tensor) -> bool:
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     return bool((finite.abs() > _HUGE_LSE).any())
-
-
-def _causal(m: Any) -> bool:
-    from ..blockmask import BlockMask
-    from ..masks import _Band
-
-    if isinstance(m, BlockMask):
-        m = m.mask
-    return isinstance(m, _Band) and m.lo is None and m.hi == 0
 
 
 # ------------------------------------------------------------------ score_mod gradients
