@@ -253,6 +253,24 @@ def test_docstring_examples_run(model: qkv.models.TextEncoder) -> None:
         assert res.attempted > 0 and res.failed == 0, (mod.__name__, res)
 
 
+def test_readme_example_runs(
+    model: qkv.models.TextEncoder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Real models: `qkv.models`") :]
+    code = section[section.index("```python\n") + 10 : section.index("\n```\n")]
+    ns: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        "torch.Size([6, 12, 10, 10])",
+        "['[CLS]', 'the', 'cat', 'sat', '.', '[SEP]']",
+        "7 6",
+    ]
+    assert ns["emb"].shape == (2, 384)
+    assert isinstance(ns["mha"], qkv.MultiHeadAttention)
+
+
 # ------------------------------------------------------------------------- clear errors
 
 
