@@ -155,6 +155,17 @@ def test_padded_batch_masks_keys_in_every_layer(model: qkv.models.TextEncoder) -
         assert (hb[0, :n] - ha[0]).abs().max().item() <= 1e-4
 
 
+def test_encode_and_maps_ignore_training_mode(model: qkv.models.TextEncoder) -> None:
+    ref_e, (_, ref_w) = model.encode(TEXTS[:3]), model.attention_maps(TEXTS[0])
+    model.train()
+    try:
+        e, (_, w) = model.encode(TEXTS[:3]), model.attention_maps(TEXTS[0])
+        assert model.training  # the mode is restored afterwards
+    finally:
+        model.eval()
+    assert torch.equal(e, ref_e) and torch.equal(w, ref_w)  # no dropout
+
+
 def test_encode_edge_inputs(model: qkv.models.TextEncoder) -> None:
     empty = model.encode([])
     assert empty.shape == (0, 384)

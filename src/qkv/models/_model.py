@@ -3,7 +3,9 @@ user makes (``tokenize``, ``encode``, ``attention_maps``)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -139,7 +141,8 @@ class TextEncoder(nn.Module):
             torch.Size([6, 12, 10, 10])
         """
         t = self.tokenize(text)
-        out = self.encoder(t.input_ids, need_weights=True)
+        with _eval(self):
+            out = self.encoder(t.input_ids, need_weights=True)
         assert out.attentions is not None
         weights = torch.stack([w[0] for w in out.attentions]).float()  # [layers, H, L, L]
         return t.tokens, weights
@@ -196,7 +199,8 @@ class TextEncoder(nn.Module):
             idx = order[start : start + batch_size]
             ids, lengths = pad_batch([encs[i].ids for i in idx], self.config.pad_token_id)
             ids, lengths = ids.to(self.device), lengths.to(self.device)  # [n, L], [n]
-            hidden = self.encoder(ids, lengths=lengths).hidden  # [n, L, d]
+            with _eval(self):
+                hidden = self.encoder(ids, lengths=lengths).hidden  # [n, L, d]
             out[torch.tensor(idx, device=self.device)] = pool(hidden, lengths, self.pooling)
         return out
 
@@ -207,6 +211,18 @@ class TextEncoder(nn.Module):
             f"d_model={c.d_model}, pooling={'+'.join(p.modes)}, normalize={p.normalize}, "
             f"max_seq_length={p.max_seq_length}"
         )
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration, then the module's own mode again: encode and
+    attention_maps are deterministic even on a model someone is fine-tuning."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def _check_text(text: object, name: str) -> None:
