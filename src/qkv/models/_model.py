@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ._config import BertConfig, PoolingConfig
+from ._packing import pack
 from ._pooling import pool
 from ._tokenizer import TextTokenizer, pad_batch
 from .bert import BertEncoder, EncoderOutput
@@ -85,6 +86,7 @@ class TextEncoder(nn.Module):
         input_ids: Tensor,
         *,
         lengths: Tensor | None = None,
+        doc_ids: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
@@ -93,6 +95,7 @@ class TextEncoder(nn.Module):
         return self.encoder(
             input_ids,
             lengths=lengths,
+            doc_ids=doc_ids,
             token_type_ids=token_type_ids,
             need_weights=need_weights,
             output_hidden_states=output_hidden_states,
@@ -153,8 +156,10 @@ class TextEncoder(nn.Module):
 
         Equal to ``sentence_transformers.SentenceTransformer(path).encode(texts)``: each text is
         tokenized and truncated to :attr:`max_seq_length` tokens (a UserWarning says how many
-        were cut), texts are run in batches of ``batch_size`` sorted by length (padded keys
-        masked), pooled over their real tokens and, if the checkpoint says so, L2-normalised.
+        were cut), texts are run in batches of ``batch_size`` sorted by length, pooled over
+        their real tokens and, if the checkpoint says so, L2-normalised. Within a batch, short
+        texts are packed several to a row of the longest one's length, kept apart by a document
+        mask (positions restart per text), so no work goes to padding.
 
         Args:
             texts: a list of N strings (empty strings are fine).
@@ -197,12 +202,25 @@ class TextEncoder(nn.Module):
         out = torch.empty(len(encs), self.dim, device=self.device, dtype=dtype)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            ids, lengths = pad_batch([encs[i].ids for i in idx], self.config.pad_token_id)
-            ids, lengths = ids.to(self.device), lengths.to(self.device)  # [n, L], [n]
-            with _eval(self):
-                hidden = self.encoder(ids, lengths=lengths).hidden  # [n, L, d]
-            out[torch.tensor(idx, device=self.device)] = pool(hidden, lengths, self.pooling)
+            out[torch.tensor(idx, device=self.device)] = self._embed([encs[i].ids for i in idx])
         return out
+
+    def _embed(self, ids: list[list[int]]) -> Tensor:
+        """Pooled vectors ``[n, dim]`` of n token id lists, packed when that saves rows."""
+        dev, pad = self.device, self.config.pad_token_id
+        packed = pack(ids, pad)
+        with _eval(self):
+            if packed.input_ids.shape[0] < len(ids):  # several texts share a row
+                rows = self.encoder(
+                    packed.input_ids.to(dev), doc_ids=packed.doc_ids.to(dev)
+                ).hidden  # [R, L, d]
+                hidden = rows[packed.row.to(dev), packed.col.to(dev)]  # [n, L, d]
+                lengths = packed.lengths.to(dev)  # [n]
+            else:  # one text per row anyway: plain padding (no mask at all if equal lengths)
+                input_ids, lengths = pad_batch(ids, pad)
+                input_ids, lengths = input_ids.to(dev), lengths.to(dev)  # [n, L], [n]
+                hidden = self.encoder(input_ids, lengths=lengths).hidden  # [n, L, d]
+        return pool(hidden, lengths, self.pooling)  # [n, dim]
 
     def extra_repr(self) -> str:
         c, p = self.config, self.pooling
