@@ -5,11 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
-
-QKV = shutil.which("qkv") or ""
-pytestmark = pytest.mark.skipif(not QKV, reason="the qkv console script is not installed")
+# The console script installed next to this interpreter (the venv's bin/), else on PATH.
+_beside = Path(sys.executable).with_name("qkv")
+QKV = str(_beside) if _beside.exists() else (shutil.which("qkv") or "qkv")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
