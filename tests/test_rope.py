@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qkv
-from _mha_plain import plain_rope
+from mha_testing import plain_rope
 
 Tensor = torch.Tensor
 
