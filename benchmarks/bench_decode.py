@@ -5,9 +5,10 @@ write of the new key/value into a preallocated cache, and one
 ``F.scaled_dot_product_attention`` call over the cached keys. qkv's step is
 ``mha(x, cache=cache, mask=qkv.causal)``. Both run under ``torch.no_grad()`` and are timed
 interleaved (A B A B ...) in one process; each round decodes ``--steps`` tokens starting from a
-cache of ``--context`` tokens (the cache length is rewound between rounds, so every step sees
-``context .. context + steps`` keys). We report the median per-token time of each and the
-median of the per-round ratios.
+cache of ``--context`` tokens (``KVCache.truncate`` rewinds it between rounds, so every step
+sees ``context .. context + steps`` keys). We report the median per-token time of each and
+the median of the per-round ratios. ``--window W`` also times a ``SlidingWindowCache(W)``
+(already full, so each step attends to exactly W keys).
 
     python benchmarks/bench_decode.py                 # d_model 512, 8 heads, 4096 cached
     python benchmarks/bench_decode.py --profile       # where qkv's time goes (cProfile)
@@ -61,6 +62,7 @@ def main() -> None:
     prefix = torch.randn(B, ctx, d)
     xs = torch.randn(steps, B, 1, d)
     cache = qkv.KVCache(max_len=ctx + steps)
+    assert args.window <= ctx, "the window must be full after the prefill"
     kbuf = torch.zeros(B, H, ctx + steps, D)
     vbuf = torch.zeros(B, H, ctx + steps, D)
     ring = qkv.SlidingWindowCache(args.window) if args.window else None
@@ -72,10 +74,9 @@ def main() -> None:
                 mha(prefix[:, i : i + 1024], cache=ring, mask=qkv.causal)
         kbuf[:, :, :ctx] = cache._k[:, :, :ctx]  # type: ignore[index]
         vbuf[:, :, :ctx] = cache._v[:, :, :ctx]  # type: ignore[index]
-        ring_len = ring.length if ring is not None else 0
 
         def run_qkv() -> float:
-            cache.length = ctx  # rewind: every round decodes positions ctx .. ctx+steps-1
+            cache.truncate(ctx)  # rewind: every round decodes positions ctx .. ctx+steps-1
             t0 = time.perf_counter()
             for s in range(steps):
                 mha(xs[s], cache=cache, mask=qkv.causal)
@@ -88,15 +89,14 @@ def main() -> None:
             return (time.perf_counter() - t0) / steps
 
         def run_ring() -> float:
-            assert ring is not None
-            ring.length = ring_len
+            assert ring is not None  # full already: the cost does not depend on the position
             t0 = time.perf_counter()
             for s in range(steps):
                 mha(xs[s], cache=ring)
             return (time.perf_counter() - t0) / steps
 
         # Same numbers from both (the last step of a round attends to ctx + steps keys).
-        cache.length = ctx
+        cache.truncate(ctx)
         a = torch.cat([mha(xs[s], cache=cache, mask=qkv.causal) for s in range(steps)])
         b = torch.cat([_plain_step(mha, xs[s], kbuf, vbuf, ctx + s) for s in range(steps)])
         assert float((a - b).abs().max()) < 1e-5, float((a - b).abs().max())

@@ -164,6 +164,24 @@ def test_reset_and_reuse():
         assert cache._k.data_ptr() == ptr  # type: ignore[union-attr]
 
 
+def test_truncate_rolls_back_without_copying():
+    """Decode two continuations of one cached prompt: each equals its own full pass."""
+    mha = _module(gqa=True, rope=True)
+    prompt, a, b = torch.randn(1, 8, 48), torch.randn(1, 3, 48), torch.randn(1, 5, 48)
+    cache = qkv.KVCache(16)
+    with torch.no_grad():
+        mha(prompt, cache=cache, mask=qkv.causal)
+        for cont in (a, b):
+            cache.truncate(8)
+            got = _decode(mha, cont, cache, [1] * cont.shape[1], mask=qkv.causal)
+            want = mha(torch.cat((prompt, cont), 1), mask=qkv.causal)[:, 8:]
+            assert float((got - want).abs().max()) <= 1e-5
+    with pytest.raises(ValueError, match=r"\[0, 13\].*got 14"):
+        cache.truncate(14)
+    with pytest.raises(AttributeError):
+        cache.length = 3  # type: ignore[misc]
+
+
 def test_unbatched_decoding():
     mha = _module(gqa=False, rope=True)
     x = torch.randn(7, 48)

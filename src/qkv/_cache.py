@@ -34,14 +34,19 @@ class _Cache:
     _capacity: int
 
     def __init__(self) -> None:
-        self.length = 0
+        self._length = 0
         self._k: Tensor | None = None  # [B, Hkv, capacity, D]
         self._v: Tensor | None = None  # [B, Hkv, capacity, Dv]
         self._owner: weakref.ref[Any] | None = None
 
+    @property
+    def length(self) -> int:
+        """How many tokens have gone through the cache (the next token's position)."""
+        return self._length
+
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept and reused)."""
-        self.length = 0
+        self._length = 0
         self._owner = None
 
     def _check_step(
@@ -83,7 +88,7 @@ class _Cache:
         pass
 
     def _advance(self, n: int) -> None:
-        self.length += n
+        self._length += n
 
     def _write(self, name: str, index: slice | Tensor, new: Tensor) -> Tensor:
         """Write ``new [B, Hkv, n, D]`` into buffer ``name`` along the length dim."""
@@ -110,8 +115,10 @@ class KVCache(_Cache):
     *last* ``Lq`` of the ``Lk = cache.length + Lq`` positions, and masks and score_mods are
     evaluated at absolute positions, so decoding a sequence in chunks of any size (a long
     prefill, then one token at a time) gives the outputs of one pass over the whole sequence
-    with the same mask. For ``qkv.causal``, 3 cached tokens and a chunk of 2 (rows = the new
-    queries, columns = all 5 keys)::
+    with the same mask, for any mask under which no query sees a later position
+    (``qkv.causal``, ``qkv.sliding_window(n)``, causal document masks, ...). For
+    ``qkv.causal``, 3 cached tokens and a chunk of 2 (rows = the new queries, columns = all 5
+    keys)::
 
         1 1 1 1 0
         1 1 1 1 1
@@ -148,6 +155,17 @@ class KVCache(_Cache):
 
     def __repr__(self) -> str:
         return f"qkv.KVCache(max_len={self.max_len}, length={self.length})"
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (e.g. to drop rejected speculative tokens, or
+        to decode several continuations of one cached prompt). Nothing is copied."""
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"truncate length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= self.length:
+            raise ValueError(
+                f"truncate length must be in [0, {self.length}] (the cached tokens), got {length}"
+            )
+        self._length = length
 
     def _check_room(self, Lq: int) -> None:
         if self.length + Lq > self.max_len:
