@@ -182,6 +182,20 @@ def test_truncate_rolls_back_without_copying():
         cache.length = 3  # type: ignore[misc]
 
 
+def test_inference_mode_decoding_and_leaving_it():
+    mha = _module(gqa=True, rope=True)
+    x = torch.randn(1, 6, 48)
+    cache = qkv.KVCache(8)
+    with torch.inference_mode():
+        got = _decode(mha, x, cache, [3, 1, 1, 1], mask=qkv.causal)
+    with torch.no_grad():
+        assert float((got - mha(x, mask=qkv.causal)).abs().max()) <= 1e-5
+        with pytest.raises(RuntimeError, match="inference_mode"):
+            mha(x[:, :1], cache=cache, mask=qkv.causal)
+        cache.reset()
+        assert float((_decode(mha, x, cache, [6], mask=qkv.causal) - got).abs().max()) <= 1e-5
+
+
 def test_unbatched_decoding():
     mha = _module(gqa=False, rope=True)
     x = torch.randn(7, 48)

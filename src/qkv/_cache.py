@@ -48,6 +48,8 @@ class _Cache:
         """Forget every cached token (the buffers are kept and reused)."""
         self._length = 0
         self._owner = None
+        if self._k is not None and self._v is not None:  # let go of any autograd graph
+            self._k, self._v = self._k.detach(), self._v.detach()
 
     def _check_step(
         self, module: MultiHeadAttention, B: int, Lq: int, mask: object, score_mod: object
@@ -78,6 +80,15 @@ class _Cache:
                     f"{self._k.shape[0]}, {self._k.dtype}, on {self._k.device}; the new input "
                     f"has batch size {B}, {w.dtype}, on {w.device}: reset() the cache to "
                     f"start a new sequence"
+                )
+            self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
+            self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
+        elif self._k.is_inference() and not torch.is_inference_mode_enabled():
+            if self.length > 0:
+                raise RuntimeError(
+                    f"this {type(self).__name__} was filled under torch.inference_mode(), so "
+                    f"its buffers can only be written there; keep decoding inside "
+                    f"inference_mode (or reset() the cache to start over outside it)"
                 )
             self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
             self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
