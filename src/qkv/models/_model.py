@@ -139,6 +139,7 @@ class TextEncoder(nn.Module):
 
         Example::
 
+            >>> import qkv
             >>> tokens, w = qkv.models.load().attention_maps("The cat sat because it was tired.")
             >>> w.shape                               # [layers, heads, L, L]
             torch.Size([6, 12, 10, 10])
@@ -170,6 +171,7 @@ class TextEncoder(nn.Module):
 
         Example::
 
+            >>> import qkv
             >>> e = qkv.models.load().encode(["A cat.", "A dog.", ""])
             >>> e.shape
             torch.Size([3, 384])
