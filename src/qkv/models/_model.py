@@ -29,9 +29,8 @@ class Tokens(NamedTuple):
     tokens: list[str]  # L token strings, specials included: ["[CLS]", "the", ..., "[SEP]"]
     input_ids: Tensor  # [1, L] int64
     attention_mask: Tensor  # [1, L] int64, all ones (one text has no padding)
-    offsets: list[
-        tuple[int, int]
-    ]  # L (start, end) character spans in the text; (0, 0) for specials
+    # L (start, end) character spans of the tokens in the text; (0, 0) for [CLS] and [SEP]
+    offsets: list[tuple[int, int]]
 
 
 class TextEncoder(nn.Module):
