@@ -99,6 +99,7 @@ class _Cache:
         pass
 
     def _advance(self, n: int) -> None:
+        """The attention call succeeded: commit its ``n`` tokens."""
         self._length += n
 
     def _write(self, name: str, index: slice | Tensor, new: Tensor) -> Tensor:
@@ -245,6 +246,7 @@ class SlidingWindowCache(_Cache):
             )
         self.window = window
         self._capacity = window
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, k, v) to write
 
     def __repr__(self) -> str:
         return f"qkv.SlidingWindowCache(window={self.window}, length={self.length})"
@@ -269,6 +271,7 @@ class SlidingWindowCache(_Cache):
         self, k: Tensor, v: Tensor, mask: object, score_mod: object, *, ordered: bool
     ) -> tuple[Tensor, Tensor, object, object]:
         n, Lq, W = self.length, k.shape[2], self.window
+        self._pending = None  # left over from a call that failed
         if Lq == 1 and not ordered:
             return self._extend_one(k, v, mask, score_mod)
         assert self._k is not None and self._v is not None
@@ -296,11 +299,21 @@ class SlidingWindowCache(_Cache):
         else:
             full_mask = and_masks(window, user)  # type: ignore[arg-type]
         score_mod = score_at(score_mod, n, n - m, Lq)
-        keep = min(Lq, W)  # the newest `keep` keys stay in the ring
+        # The newest `keep` keys stay in the ring. They are written after the attention call
+        # (in _advance): writing now would evict keys this chunk's queries may still need if
+        # the call fails (say, a mask_mod raises) and is retried.
+        keep = min(Lq, W)
         slots = torch.arange(n + Lq - keep, n + Lq, device=k.device) % W
-        self._write("_k", slots, k[:, :, Lq - keep :])
-        self._write("_v", slots, v[:, :, Lq - keep :])
+        self._pending = (slots, k[:, :, Lq - keep :], v[:, :, Lq - keep :])
         return k_all, v_all, full_mask, score_mod
+
+    def _advance(self, n: int) -> None:
+        if self._pending is not None:
+            slots, k, v = self._pending
+            self._pending = None
+            self._write("_k", slots, k)
+            self._write("_v", slots, v)
+        super()._advance(n)
 
     def _extend_one(
         self, k: Tensor, v: Tensor, mask: object, score_mod: object
