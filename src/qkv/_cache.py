@@ -64,32 +64,25 @@ class _Cache:
             )
         w = module.k_proj.weight
         spec = (B, module.n_kv_heads, self._capacity, module.head_dim)
-        if (
-            self._k is None
-            or self._k.shape != spec
-            or (self._k.dtype, self._k.device)
-            != (
-                w.dtype,
-                w.device,
+        k = self._k
+        if k is not None and k.shape == spec and (k.dtype, k.device) == (w.dtype, w.device):
+            if k.is_inference() and not torch.is_inference_mode_enabled():
+                if self.length > 0:
+                    raise RuntimeError(
+                        f"this {type(self).__name__} was filled under torch.inference_mode(), "
+                        f"so its buffers can only be written there; keep decoding inside "
+                        f"inference_mode (or reset() the cache to start over outside it)"
+                    )
+                k = None  # reallocate outside inference mode
+        elif k is not None and self.length > 0:
+            raise ValueError(
+                f"this {type(self).__name__} holds {self.length} tokens of batch size "
+                f"{k.shape[0]}, {k.dtype}, on {k.device}; the new input has batch size {B}, "
+                f"{w.dtype}, on {w.device}: reset() the cache to start a new sequence"
             )
-        ):
-            if self.length > 0:
-                assert self._k is not None
-                raise ValueError(
-                    f"this {type(self).__name__} holds {self.length} tokens of batch size "
-                    f"{self._k.shape[0]}, {self._k.dtype}, on {self._k.device}; the new input "
-                    f"has batch size {B}, {w.dtype}, on {w.device}: reset() the cache to "
-                    f"start a new sequence"
-                )
-            self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
-            self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
-        elif self._k.is_inference() and not torch.is_inference_mode_enabled():
-            if self.length > 0:
-                raise RuntimeError(
-                    f"this {type(self).__name__} was filled under torch.inference_mode(), so "
-                    f"its buffers can only be written there; keep decoding inside "
-                    f"inference_mode (or reset() the cache to start over outside it)"
-                )
+        else:
+            k = None
+        if k is None:  # the one allocation, to the full capacity
             self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
             self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
         self._check_room(Lq)
