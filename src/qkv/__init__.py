@@ -3,7 +3,7 @@
 The public surface is what this module re-exports (``__all__``); everything else is private.
 """
 
-from . import reference
+from . import inspect, reference
 from .functional import attention
 from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
 from .planner import Plan, plan, set_dense_limit
@@ -20,6 +20,7 @@ __all__ = [
     "attention",
     "causal",
     "document",
+    "inspect",
     "or_masks",
     "padding",
     "plan",
