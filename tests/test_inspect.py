@@ -321,3 +321,57 @@ def test_recording_check_is_cheap_when_off() -> None:
     f = functools.partial(qkv.attention, mask=qkv.causal)
     x = torch.randn(4, 8)
     assert isinstance(f(x, x, x), Tensor)
+
+
+class _Encoder(torch.nn.Module):
+    """Two qkv.MultiHeadAttention layers (the second GQA with RoPE) and a plain call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [
+                qkv.MultiHeadAttention(32, 4),
+                qkv.MultiHeadAttention(32, 4, n_kv_heads=2, rope=True),
+            ]
+        )
+
+    def forward(self, x: Tensor, mask: object = None) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x, mask=mask)
+        return x
+
+
+def test_record_names_layers_and_matches_need_weights() -> None:
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    x = torch.randn(2, 13, 32)
+    mask = qkv.padding(torch.tensor([13, 6]))
+    with torch.no_grad():
+        want = model(x, mask)
+        with qkv.inspect.record(model) as rec:
+            got = model(x, mask)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert rec.layers == ["layers.0", "layers.1"]
+    h = x
+    for i, layer in enumerate(model.layers):
+        with torch.no_grad():
+            out, w_ref = layer(h, mask=mask, need_weights=True)  # [B, H, Lq, Lk]
+        cap = rec[f"layers.{i}"]
+        assert cap.q is not None and cap.k is not None
+        assert cap.k.shape[1] == (4 if i == 0 else 2)
+        assert torch.allclose(cap.weights(), w_ref, atol=1e-6)
+        assert torch.allclose(cap.weights(rows=[12, 0], heads=3), w_ref[:, 3:4][:, :, [12, 0]])
+        st = cap.statistics(top_k=2)
+        assert torch.allclose(st.received, w_ref.sum(2), atol=1e-5)
+        assert torch.allclose(st.top_weights, w_ref.topk(2, dim=-1).values, atol=1e-6)
+        h = h + out
+
+
+def test_record_resets_layer_name_when_forward_raises() -> None:
+    model = _Encoder()
+    with qkv.inspect.record(model) as rec:
+        with pytest.raises(ValueError):
+            model(torch.randn(1, 5, 31))  # wrong width: the first layer refuses it
+        qkv.attention(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
+    assert [c.layer for c in rec] == [""]  # the plain call is not attributed to layers.0
+    assert qkv._recording.LAYER.get() == ""
