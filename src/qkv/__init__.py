@@ -3,7 +3,7 @@
 The public surface is what this module re-exports (``__all__``); everything else is private.
 """
 
-from . import inspect, reference
+from . import inspect, models, reference
 from ._cache import KVCache, SlidingWindowCache
 from ._rope import RotaryEmbedding
 from .functional import attention
@@ -28,6 +28,7 @@ __all__ = [
     "causal",
     "document",
     "inspect",
+    "models",
     "or_masks",
     "padding",
     "plan",
