@@ -8,6 +8,7 @@ library, nothing but the browser Debian packages. Used by tests/test_viz_html.py
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -66,7 +67,7 @@ class Chromium:
             os.dup2(hi_w, 4)
 
         # stderr to a file, not a pipe: Chromium is chatty and a full pipe would block it.
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [path, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
             stdin=subprocess.DEVNULL,
@@ -167,7 +168,9 @@ class Chromium:
         for ev in self.events:
             m, p = ev.get("method"), ev.get("params", {})
             if m == "Runtime.exceptionThrown":
-                out.append(f"exception: {p['exceptionDetails'].get('text')} {p['exceptionDetails']}")
+                out.append(
+                    f"exception: {p['exceptionDetails'].get('text')} {p['exceptionDetails']}"
+                )
             elif m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
                 out.append(f"console.{p['type']}: {p.get('args')}")
             elif m == "Log.entryAdded" and p["entry"].get("level") == "error":
@@ -177,10 +180,8 @@ class Chromium:
         return out
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BrowserError, OSError):
             self.send("Browser.close", session=False)
-        except (BrowserError, OSError):
-            pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FLOOR, Comparison, _maxerr
 
 import qkv
+from conftest import FLOOR, Comparison, _maxerr
 from qkv.inspect._stats import stats_of_problem
 from qkv.inspect._weights import check_problem
 
@@ -95,10 +95,10 @@ def test_weights_from_lse_equal_reference(mask_name: str, score_name: str) -> No
     B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 37, 29, 59  # GQA, Lq != Lk, odd head dim
     q, k, v = _shapes(B, Hq, Hkv, Lq, Lk, D, seed=hash((mask_name, score_name)) % 1000)
     kw = {"mask": _masks(B, Lq, Lk)[mask_name], "score_mod": _score_mods(Hq, Lq, Lk)[score_name]}
-    out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+    _out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
     w64, w32 = _oracle_weights(q, k, v, **kw)
     g = torch.Generator().manual_seed(1)
-    rows = torch.randperm(Lq, generator=g)[:5].tolist() + [-1]
+    rows = [*torch.randperm(Lq, generator=g)[:5].tolist(), -1]
     heads = [3, 0, 1]
     got = qkv.inspect.weights(q, k, lse=lse, rows=rows, heads=heads, **kw)
     assert got.shape == (B, len(heads), len(rows), Lk)
@@ -303,12 +303,11 @@ def test_record_keep_stats_and_nesting() -> None:
 
 
 def test_record_bad_arguments() -> None:
-    with pytest.raises(TypeError, match=r"torch.nn.Module"):
-        with qkv.inspect.record("model"):  # type: ignore[arg-type]
-            pass
-    with pytest.raises(ValueError, match="keep must be"):
-        with qkv.inspect.record(torch.nn.Linear(2, 2), keep="all"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError, match=r"torch.nn.Module"), qkv.inspect.record("model"):  # type: ignore[arg-type]
+        pass
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="keep must be"), qkv.inspect.record(linear, keep="all"):  # type: ignore[arg-type]
+        pass
     with pytest.raises(KeyError, match="no qkv attention call was recorded in layer 'x'"):
         with qkv.inspect.record(torch.nn.Linear(2, 2)) as rec:
             pass
@@ -375,3 +374,13 @@ def test_record_resets_layer_name_when_forward_raises() -> None:
         qkv.attention(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
     assert [c.layer for c in rec] == [""]  # the plain call is not attributed to layers.0
     assert qkv._recording.LAYER.get() == ""
+
+
+@pytest.mark.parametrize("module", ["_weights", "_stats", "_record"])
+def test_docstring_examples_run(module: str) -> None:
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"qkv.inspect.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

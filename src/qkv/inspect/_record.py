@@ -88,7 +88,9 @@ class Capture:
                     f"record with keep='qk' to compute other top_k values afterwards"
                 )
             return self.stats
-        return stats_of_problem(self._problem("statistics"), self.lse, 5 if top_k is None else top_k)
+        return stats_of_problem(
+            self._problem("statistics"), self.lse, 5 if top_k is None else top_k
+        )
 
 
 class Recording:

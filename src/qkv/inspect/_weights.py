@@ -87,7 +87,7 @@ def check_index(what: str, idx: Index, n: int, axis: str, device: torch.device) 
 
 
 def _take(t: Tensor, heads: Tensor, rows: Tensor, k0: int, k1: int) -> Tensor:
-    """Select heads/rows/keys of a tensor broadcastable to ``[B, Hq, Lq, Lk]`` (size-1 dims kept)."""
+    """Heads/rows/keys of a tensor broadcastable to ``[B, Hq, Lq, Lk]`` (size-1 dims kept)."""
     if t.shape[1] != 1:
         t = t[:, heads]
     if t.shape[2] != 1:
@@ -181,7 +181,8 @@ def weights(
     Example::
 
         >>> import torch, qkv
-        >>> q, k, v = torch.randn(1, 4, 100, 16), torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+        >>> q, k = torch.randn(1, 4, 100, 16), torch.randn(1, 2, 100, 16)
+        >>> v = torch.randn(1, 2, 100, 16)
         >>> out, lse = qkv.attention(q, k, v, mask=qkv.causal, return_lse=True)
         >>> w = qkv.inspect.weights(q, k, lse=lse, rows=[5, 99], heads=0, mask=qkv.causal)
         >>> w.shape, round(float(w[0, 0, 0].sum()), 4)

@@ -32,8 +32,7 @@ class AttentionMaps:
         L = len(self.tokens)
         if w.ndim != 4 or w.shape[2] != L or w.shape[3] != L:
             raise ValueError(
-                f"weights must be [layers, heads, L, L] with L = {L} tokens, got "
-                f"{list(w.shape)}"
+                f"weights must be [layers, heads, L, L] with L = {L} tokens, got {list(w.shape)}"
             )
 
     @property
@@ -49,7 +48,9 @@ class AttentionMaps:
         w = self.weights[layer, :, focus]  # [heads, L]
         return w.mean(0) if head is None else w[head]
 
-    def top(self, layer: int, focus: int, k: int, head: int | None = None) -> list[tuple[int, float]]:
+    def top(
+        self, layer: int, focus: int, k: int, head: int | None = None
+    ) -> list[tuple[int, float]]:
         """The ``k`` keys token ``focus`` attends to most: ``[(position, weight), ...]``."""
         vals, idx = self.row(layer, focus, head).topk(min(k, len(self.tokens)))
         return list(zip(idx.tolist(), vals.tolist(), strict=True))

@@ -145,7 +145,8 @@
       return;
     }
     const n = state.heads.size;
-    caption.textContent = `“${data.tokens[active]}” (token ${active}) in layer ${state.layer}, mean of ${n} head${n === 1 ? "" : "s"}:`;
+    const which = n === 1 ? `head ${[...state.heads][0]}` : `mean of ${n} heads`;
+    caption.textContent = `“${data.tokens[active]}” (token ${active}) in layer ${state.layer}, ${which}:`;
     const order = [...row.keys()].sort((a, b) => row[b] - row[a]).slice(0, data.top);
     for (const j of order) {
       const tr = el("tr", {});

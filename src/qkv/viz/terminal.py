@@ -12,6 +12,7 @@ from ._maps import AttentionMaps
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
+    from rich.text import Text
 
 _BAR = 12  # bar width in cells: weight 1.0 fills it
 _TOKEN = 14  # longer tokens are cut with an ellipsis in the tables
@@ -36,7 +37,7 @@ def _top_grid(maps: AttentionMaps, pairs: list[tuple[int, float]]) -> Renderable
     return grid
 
 
-def token_line(maps: AttentionMaps, focus: int) -> RenderableType:
+def token_line(maps: AttentionMaps, focus: int) -> Text:
     """The tokens with their positions, the focus token highlighted."""
     from rich.text import Text
 
@@ -94,7 +95,7 @@ def render(
     console.print(table)
     console.print(
         Text(
-            f"Weights rebuilt by qkv.inspect from each layer's log-sum-exp. "
+            "Weights rebuilt by qkv.inspect from each layer's log-sum-exp. "
             + ("head = the most focused one: lowest " if head is None else "")
             + f"H = entropy in nats (uniform over {len(maps.tokens)} tokens: "
             f"{maps.max_entropy:.2f}).",
