@@ -199,3 +199,23 @@ def test_png_renderer_layouts(tmp_path: Path, layer: int | None, head: int | Non
     img = matplotlib.image.imread(path)  # [H, W, 4]
     assert img.shape[0] > 200 and img.shape[1] > 300
     assert (img[..., :3] < 0.9).any(-1).mean() > 0.02  # not blank
+
+
+def test_readme_sample_is_real_output() -> None:
+    """Every line of the README's sample (but the "..." elision) is in the real output."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## The main job: `qkv explain`") :]
+    sample = re.search(r"```\n(Model:.*?)```", section, flags=re.DOTALL)
+    assert sample is not None
+    r = subprocess.run(
+        [QKV, "explain", "--top", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert r.returncode == 0, r.stderr
+    real = [line.rstrip() for line in r.stdout.splitlines()]
+    for line in sample.group(1).splitlines():
+        if line.strip() != "...":
+            assert line.rstrip() in real, line

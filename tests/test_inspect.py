@@ -384,3 +384,14 @@ def test_docstring_examples_run(module: str) -> None:
     mod = importlib.import_module(f"qkv.inspect.{module}")
     result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_readme_inspect_example_runs() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Inspection from the fast path") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert code is not None
+    exec(compile(code.group(1), "README.md", "exec"), {})

@@ -58,23 +58,45 @@ def render(
     single = len(cells) == 1
     longest = max((len(t) for t in maps.tokens), default=1)
     cell_in = 0.3 if single else max(0.07, min(0.2, 2.2 / max(L, 1)))
+    # Stay well inside Agg's 2^16-pixel limit for long texts: at most 60 x 40 inches of cells.
+    cell_in = min(cell_in, 60 / mosaic.shape[1], 40 / mosaic.shape[0])
+    labelled = cell_in >= 0.06  # below ~4 pt per row token labels are unreadable: leave them out
     font = 9.0 if single else max(4.0, min(7.0, cell_in * 40))
-    pad = 0.08 * font / 7 * longest + 0.5  # room for the token labels
-    width = mosaic.shape[1] * cell_in + pad + 1.6
-    height = mosaic.shape[0] * cell_in + pad + 1.0
-    fig = Figure(figsize=(max(width, 4.5), max(height, 3.5)), layout="constrained")
-    ax = fig.subplots()
+    # A fixed layout computed from the label lengths: matplotlib's constrained layout draws
+    # the whole figure an extra time to measure it (~1 s of the 72-panel grid, measured).
+    label_in = longest * font * 0.62 / 72 + 0.15 if labelled else 0.1  # ~0.62 em per char
+    axis_in = 0.35 if single else 0.0  # "token" / "attends to" axis labels
+    left, bottom = label_in + axis_in + 0.2, label_in + axis_in + 0.2
+    top, right = 0.75, 1.3  # title and panel labels; colour bar
+    plot_w, plot_h = mosaic.shape[1] * cell_in, mosaic.shape[0] * cell_in
+    fig_w = max(left + plot_w + right, 4.5)
+    fig_h = bottom + plot_h + top
+    fig = Figure(figsize=(fig_w, fig_h))
+    ax = fig.add_axes((left / fig_w, bottom / fig_h, plot_w / fig_w, plot_h / fig_h))
+    bar_h = min(plot_h, 3.0)
+    cax = fig.add_axes(
+        (
+            (left + plot_w + 0.3) / fig_w,
+            (bottom + plot_h - bar_h) / fig_h,
+            0.15 / fig_w,
+            bar_h / fig_h,
+        )
+    )
     image = ax.imshow(mosaic.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     ax.set_facecolor("white")
     for spine in ax.spines.values():
         spine.set_visible(False)
     # Token labels on the left of each panel row and under each panel column.
-    ys = [r * step + i for r in range(rows) for i in range(L)]
-    xs = [c * step + j for c in range(cols) for j in range(L)]
-    ax.set_yticks(ys, [maps.tokens[i] for _ in range(rows) for i in range(L)], fontsize=font)
-    ax.set_xticks(
-        xs, [maps.tokens[j] for _ in range(cols) for j in range(L)], fontsize=font, rotation=90
-    )
+    if labelled:
+        ys = [r * step + i for r in range(rows) for i in range(L)]
+        xs = [c * step + j for c in range(cols) for j in range(L)]
+        ax.set_yticks(ys, [maps.tokens[i] for _ in range(rows) for i in range(L)], fontsize=font)
+        ax.set_xticks(
+            xs, [maps.tokens[j] for _ in range(cols) for j in range(L)], fontsize=font, rotation=90
+        )
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
     ax.tick_params(length=0)
     for n, (li, h) in enumerate(cells):
         r, c = divmod(n, cols)
@@ -96,6 +118,6 @@ def render(
         ax.set_ylabel("token")
     name = f"{maps.model}: " if maps.model else ""
     title = f"{name}{maps.text}"
-    fig.suptitle(title if len(title) <= 100 else title[:99] + "…", fontsize=11)
-    fig.colorbar(image, ax=ax, shrink=0.7 if single else 0.4, label="attention weight")
+    fig.suptitle(title if len(title) <= 100 else title[:99] + "…", fontsize=11, y=1 - 0.15 / fig_h)
+    fig.colorbar(image, cax=cax, label="attention weight")
     fig.savefig(path, format="png", dpi=dpi)
