@@ -395,3 +395,18 @@ def test_readme_inspect_example_runs() -> None:
     code = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert code is not None
     exec(compile(code.group(1), "README.md", "exec"), {})
+
+
+def test_stats_recompute_path_equals_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks too big for the tile cache recompute their tiles: same statistics."""
+    from qkv.inspect import _stats
+
+    q, k, v = _shapes(1, 4, 2, 70, 600, 16, seed=11)
+    mask = qkv.sliding_window(100, 20)
+    _, lse = qkv.attention(q, k, v, mask=mask, return_lse=True)
+    p, lse4 = check_problem(q, k, lse, mask, None, None)
+    cached = stats_of_problem(p, lse4, 4, block_q=32, block_k=128)
+    monkeypatch.setattr(_stats, "_TILE_CACHE", 0)
+    recomputed = stats_of_problem(p, lse4, 4, block_q=32, block_k=128)
+    for a, b in zip(vars(cached).values(), vars(recomputed).values(), strict=True):
+        assert torch.equal(a, b)

@@ -1,8 +1,10 @@
 """Attention statistics computed block by block from the lse, never forming ``Lq × Lk``.
 
 Each ``block_q × block_k`` tile of weights is rebuilt exactly (see ``_weights``), folded into
-the running statistics and dropped, so the memory is ``O(B × Hq × block_q × block_k)`` on top
-of the results.
+the running statistics and dropped. The received mass needs each row block's tiles twice (once
+to learn the rows' normalisers, once to add ``e / Z``): they are kept while a row block's tiles
+fit in ``_TILE_CACHE`` elements (64 MiB of float32) and recomputed beyond that, so the memory is
+bounded whatever the lengths.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def stats(
 
     Equal to the same quantities computed from the full weights of
     :func:`qkv.reference.attention`, but the weights are rebuilt from ``lse`` one tile at a
-    time: memory ``O(B × Hq × 64 × 512)`` beyond the results, whatever the lengths.
+    time, in bounded memory beyond the results (at most ``_TILE_CACHE`` elements of tiles).
 
     Args:
         q: queries ``[B, Hq, Lq, D]`` (or unbatched ``[Hq, Lq, D]`` / ``[Lq, D]``).

@@ -6,7 +6,10 @@ it returns is enough to recover any part of it exactly: for query row ``i`` and 
     weight[i, j] = exp(score[i, j] - lse[i])        (0 where the mask forbids, or lse = -inf)
 
 where ``score`` is the same ``(q @ kᵀ) * scale`` with the score_mod applied. So a few rows cost
-``O(rows × Lk)`` memory, never ``O(Lq × Lk)``.
+``O(rows × Lk)`` memory, never ``O(Lq × Lk)``. Whole rows are then divided by their sum, which
+is 1 up to rounding: the backend that computed ``lse`` rounded its scores differently from this
+recomputation, and the division keeps that difference out of the weights (measured: without
+it, errors reached ~2x those of plain float32 softmax at ``Lk = 1025`` with ALiBi).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def check_index(what: str, idx: Index, n: int, axis: str, device: torch.device) 
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
             raise TypeError(f"{what} must contain ints, got {items!r}")
         t = torch.tensor(items, dtype=torch.int64)
-    bad = [int(i) for i in t if not -n <= int(i) < n]
+    bad = t[(t < -n) | (t >= n)].tolist()
     if bad:
         rng = f"0..{n - 1} (or -{n}..-1)" if n else "none: the axis is empty"
         raise ValueError(f"{what} {bad} out of range: q has {n} {axis}, valid {rng}")
