@@ -1,7 +1,8 @@
 """qkv.models vs its peers on the packaged all-MiniLM-L6-v2, interleaved in one process.
 
 - encode: ``qkv.models.load().encode(texts)`` vs ``SentenceTransformer(path).encode(texts)``
-  on a small batch of mixed lengths (both return tensors).
+  on a small batch of mixed lengths (where qkv packs short texts into shared rows) and on a
+  batch of equal lengths (nothing to pack); both return tensors.
 - attention_maps: ``model.attention_maps(text)`` vs ``transformers.BertModel`` (eager attention,
   ``output_attentions=True``) including the tokenizer call.
 
@@ -67,6 +68,7 @@ def main() -> None:
         with torch.inference_mode():
             return bert(**tok(text, return_tensors="pt"), output_attentions=True).attentions
 
+    same = [f"Sentence number {i} has exactly the same shape as the others." for i in range(32)]
     rows = [
         (
             f"encode, batch of {len(TEXTS)} mixed lengths",
@@ -74,6 +76,17 @@ def main() -> None:
                 {
                     "qkv": lambda: ours.encode(TEXTS),
                     "peer": lambda: st.encode(TEXTS, convert_to_tensor=True),
+                },
+                args.reps,
+            ),
+            "sentence-transformers",
+        ),
+        (
+            "encode, batch of 32 equal lengths (nothing to pack)",
+            _interleave(
+                {
+                    "qkv": lambda: ours.encode(same),
+                    "peer": lambda: st.encode(same, convert_to_tensor=True),
                 },
                 args.reps,
             ),

@@ -22,7 +22,7 @@ import torch
 
 import qkv
 import qkv.models
-from qkv.models import _config, _model
+from qkv.models import _config, _model, _packing
 
 Tensor = torch.Tensor
 
@@ -155,6 +155,47 @@ def test_padded_batch_masks_keys_in_every_layer(model: qkv.models.TextEncoder) -
         assert (hb[0, :n] - ha[0]).abs().max().item() <= 1e-4
 
 
+def test_packed_rows_give_each_text_its_vectors_alone(model: qkv.models.TextEncoder) -> None:
+    texts = ["The cat sat because it was tired.", "A dog.", "", "Hello, world!", "a b c d e f g h"]
+    ids = [model.tokenize(t).input_ids[0].tolist() for t in texts]
+    packed = _packing.pack(ids, pad_id=0)
+    # lengths 10, 5, 2, 6, 10 in rows of 10 (first-fit decreasing): 10 | 10 | 6+2 | 5
+    assert packed.input_ids.shape == (4, 10)
+    assert packed.doc_ids[2].tolist() == [0] * 6 + [1] * 2 + [-1] * 2
+    with torch.no_grad():
+        rows = model(packed.input_ids, doc_ids=packed.doc_ids, need_weights=True)
+        for n, one in enumerate(ids):
+            alone = model(torch.tensor([one]), need_weights=True)
+            r, c, k = int(packed.row[n, 0]), int(packed.col[n, 0]), len(one)
+            assert (rows.hidden[r, c : c + k] - alone.hidden[0]).abs().max().item() <= 1e-4
+            assert rows.attentions is not None and alone.attentions is not None
+            for wr, wa in zip(rows.attentions, alone.attentions, strict=True):
+                block = wr[r, :, c : c + k]  # [H, k, L] this text's query rows
+                assert (block[:, :, c : c + k] - wa[0]).abs().max().item() <= 1e-5
+                assert block.sum(-1).sub(1).abs().max().item() <= 1e-5  # nothing leaks out
+
+
+def test_doc_ids_are_checked(model: qkv.models.TextEncoder) -> None:
+    ids = torch.tensor([[101, 7, 102, 101, 102]])
+    with pytest.raises(ValueError, match="one contiguous run"):
+        model(ids, doc_ids=torch.tensor([[0, 0, 1, 0, -1]]))
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, doc_ids=torch.tensor([[0, 0, 0, 1, 1]]), lengths=torch.tensor([5]))
+    with pytest.raises(ValueError, match=r"doc_ids must have shape \[1, 5\]"):
+        model(ids, doc_ids=torch.tensor([[0, 0, 0, 1]]))
+
+
+def test_encode_and_maps_ignore_training_mode(model: qkv.models.TextEncoder) -> None:
+    ref_e, (_, ref_w) = model.encode(TEXTS[:3]), model.attention_maps(TEXTS[0])
+    model.train()
+    try:
+        e, (_, w) = model.encode(TEXTS[:3]), model.attention_maps(TEXTS[0])
+        assert model.training  # the mode is restored afterwards
+    finally:
+        model.eval()
+    assert torch.equal(e, ref_e) and torch.equal(w, ref_w)  # no dropout
+
+
 def test_encode_edge_inputs(model: qkv.models.TextEncoder) -> None:
     empty = model.encode([])
     assert empty.shape == (0, 384)
@@ -249,8 +290,26 @@ def test_weights_never_unpickled(minilm_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_docstring_examples_run(model: qkv.models.TextEncoder) -> None:
     for mod in (qkv.models, _model):
-        res = doctest.testmod(mod, extraglobs={"qkv": qkv}, optionflags=doctest.ELLIPSIS)
+        res = doctest.testmod(mod, globs={}, optionflags=doctest.ELLIPSIS)  # self-contained
         assert res.attempted > 0 and res.failed == 0, (mod.__name__, res)
+
+
+def test_readme_example_runs(
+    model: qkv.models.TextEncoder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Real models: `qkv.models`") :]
+    code = section[section.index("```python\n") + 10 : section.index("\n```\n")]
+    ns: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [
+        "torch.Size([6, 12, 10, 10])",
+        "['[CLS]', 'the', 'cat', 'sat', '.', '[SEP]']",
+        "7 6",
+    ]
+    assert ns["emb"].shape == (2, 384)
+    assert isinstance(ns["mha"], qkv.MultiHeadAttention)
 
 
 # ------------------------------------------------------------------------- clear errors

@@ -34,15 +34,22 @@ class _Cache:
     _capacity: int
 
     def __init__(self) -> None:
-        self.length = 0
+        self._length = 0
         self._k: Tensor | None = None  # [B, Hkv, capacity, D]
         self._v: Tensor | None = None  # [B, Hkv, capacity, Dv]
         self._owner: weakref.ref[Any] | None = None
 
+    @property
+    def length(self) -> int:
+        """How many tokens have gone through the cache (the next token's position)."""
+        return self._length
+
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept and reused)."""
-        self.length = 0
+        self._length = 0
         self._owner = None
+        if self._k is not None and self._v is not None:  # let go of any autograd graph
+            self._k, self._v = self._k.detach(), self._v.detach()
 
     def _check_step(
         self, module: MultiHeadAttention, B: int, Lq: int, mask: object, score_mod: object
@@ -76,6 +83,15 @@ class _Cache:
                 )
             self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
             self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
+        elif self._k.is_inference() and not torch.is_inference_mode_enabled():
+            if self.length > 0:
+                raise RuntimeError(
+                    f"this {type(self).__name__} was filled under torch.inference_mode(), so "
+                    f"its buffers can only be written there; keep decoding inside "
+                    f"inference_mode (or reset() the cache to start over outside it)"
+                )
+            self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
+            self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
         self._check_room(Lq)
         self._owner = weakref.ref(module)
 
@@ -83,7 +99,7 @@ class _Cache:
         pass
 
     def _advance(self, n: int) -> None:
-        self.length += n
+        self._length += n
 
     def _write(self, name: str, index: slice | Tensor, new: Tensor) -> Tensor:
         """Write ``new [B, Hkv, n, D]`` into buffer ``name`` along the length dim."""
@@ -110,8 +126,10 @@ class KVCache(_Cache):
     *last* ``Lq`` of the ``Lk = cache.length + Lq`` positions, and masks and score_mods are
     evaluated at absolute positions, so decoding a sequence in chunks of any size (a long
     prefill, then one token at a time) gives the outputs of one pass over the whole sequence
-    with the same mask. For ``qkv.causal``, 3 cached tokens and a chunk of 2 (rows = the new
-    queries, columns = all 5 keys)::
+    with the same mask, for any mask under which no query sees a later position
+    (``qkv.causal``, ``qkv.sliding_window(n)``, causal document masks, ...). For
+    ``qkv.causal``, 3 cached tokens and a chunk of 2 (rows = the new queries, columns = all 5
+    keys)::
 
         1 1 1 1 0
         1 1 1 1 1
@@ -148,6 +166,17 @@ class KVCache(_Cache):
 
     def __repr__(self) -> str:
         return f"qkv.KVCache(max_len={self.max_len}, length={self.length})"
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (e.g. to drop rejected speculative tokens, or
+        to decode several continuations of one cached prompt). Nothing is copied."""
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"truncate length must be an int, got {type(length).__name__}")
+        if not 0 <= length <= self.length:
+            raise ValueError(
+                f"truncate length must be in [0, {self.length}] (the cached tokens), got {length}"
+            )
+        self._length = length
 
     def _check_room(self, Lq: int) -> None:
         if self.length + Lq > self.max_len:

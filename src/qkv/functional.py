@@ -14,8 +14,8 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
     mask: object = None,
+    *,
     score_mod: object = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -39,7 +39,8 @@ def attention(
         k: keys ``[B, Hkv, Lk, D]``. ``Hq % Hkv == 0``: query head ``h`` uses key/value head
             ``h // (Hq // Hkv)`` (grouped-query attention; ``Hkv = 1`` is multi-query).
         v: values ``[B, Hkv, Lk, Dv]``.
-        mask: ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
+        mask: (may also be passed positionally, as in ``attention(Q, K, V, mask)``)
+            ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
             attend); a mask_mod ``(b, h, q_idx, kv_idx) -> bool tensor`` such as
             :data:`qkv.causal` (called with broadcastable int64 index tensors, no vmap or
             compile); or a prebuilt block mask.

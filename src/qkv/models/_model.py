@@ -3,7 +3,9 @@ user makes (``tokenize``, ``encode``, ``attention_maps``)."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from ._config import BertConfig, PoolingConfig
+from ._packing import pack
 from ._pooling import pool
 from ._tokenizer import TextTokenizer, pad_batch
 from .bert import BertEncoder, EncoderOutput
@@ -26,9 +29,8 @@ class Tokens(NamedTuple):
     tokens: list[str]  # L token strings, specials included: ["[CLS]", "the", ..., "[SEP]"]
     input_ids: Tensor  # [1, L] int64
     attention_mask: Tensor  # [1, L] int64, all ones (one text has no padding)
-    offsets: list[
-        tuple[int, int]
-    ]  # L (start, end) character spans in the text; (0, 0) for specials
+    # L (start, end) character spans of the tokens in the text; (0, 0) for [CLS] and [SEP]
+    offsets: list[tuple[int, int]]
 
 
 class TextEncoder(nn.Module):
@@ -83,6 +85,7 @@ class TextEncoder(nn.Module):
         input_ids: Tensor,
         *,
         lengths: Tensor | None = None,
+        doc_ids: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
@@ -91,6 +94,7 @@ class TextEncoder(nn.Module):
         return self.encoder(
             input_ids,
             lengths=lengths,
+            doc_ids=doc_ids,
             token_type_ids=token_type_ids,
             need_weights=need_weights,
             output_hidden_states=output_hidden_states,
@@ -134,12 +138,14 @@ class TextEncoder(nn.Module):
 
         Example::
 
+            >>> import qkv
             >>> tokens, w = qkv.models.load().attention_maps("The cat sat because it was tired.")
             >>> w.shape                               # [layers, heads, L, L]
             torch.Size([6, 12, 10, 10])
         """
         t = self.tokenize(text)
-        out = self.encoder(t.input_ids, need_weights=True)
+        with _eval(self):
+            out = self.encoder(t.input_ids, need_weights=True)
         assert out.attentions is not None
         weights = torch.stack([w[0] for w in out.attentions]).float()  # [layers, H, L, L]
         return t.tokens, weights
@@ -150,8 +156,10 @@ class TextEncoder(nn.Module):
 
         Equal to ``sentence_transformers.SentenceTransformer(path).encode(texts)``: each text is
         tokenized and truncated to :attr:`max_seq_length` tokens (a UserWarning says how many
-        were cut), texts are run in batches of ``batch_size`` sorted by length (padded keys
-        masked), pooled over their real tokens and, if the checkpoint says so, L2-normalised.
+        were cut), texts are run in batches of ``batch_size`` sorted by length, pooled over
+        their real tokens and, if the checkpoint says so, L2-normalised. Within a batch, short
+        texts are packed several to a row of the longest one's length, kept apart by a document
+        mask (positions restart per text), so no work goes to padding.
 
         Args:
             texts: a list of N strings (empty strings are fine).
@@ -162,6 +170,7 @@ class TextEncoder(nn.Module):
 
         Example::
 
+            >>> import qkv
             >>> e = qkv.models.load().encode(["A cat.", "A dog.", ""])
             >>> e.shape
             torch.Size([3, 384])
@@ -194,11 +203,25 @@ class TextEncoder(nn.Module):
         out = torch.empty(len(encs), self.dim, device=self.device, dtype=dtype)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            ids, lengths = pad_batch([encs[i].ids for i in idx], self.config.pad_token_id)
-            ids, lengths = ids.to(self.device), lengths.to(self.device)  # [n, L], [n]
-            hidden = self.encoder(ids, lengths=lengths).hidden  # [n, L, d]
-            out[torch.tensor(idx, device=self.device)] = pool(hidden, lengths, self.pooling)
+            out[torch.tensor(idx, device=self.device)] = self._embed([encs[i].ids for i in idx])
         return out
+
+    def _embed(self, ids: list[list[int]]) -> Tensor:
+        """Pooled vectors ``[n, dim]`` of n token id lists, packed when that saves rows."""
+        dev, pad = self.device, self.config.pad_token_id
+        packed = pack(ids, pad)
+        with _eval(self):
+            if packed.input_ids.shape[0] < len(ids):  # several texts share a row
+                rows = self.encoder(
+                    packed.input_ids.to(dev), doc_ids=packed.doc_ids.to(dev)
+                ).hidden  # [R, L, d]
+                hidden = rows[packed.row.to(dev), packed.col.to(dev)]  # [n, L, d]
+                lengths = packed.lengths.to(dev)  # [n]
+            else:  # one text per row anyway: plain padding (no mask at all if equal lengths)
+                input_ids, lengths = pad_batch(ids, pad)
+                input_ids, lengths = input_ids.to(dev), lengths.to(dev)  # [n, L], [n]
+                hidden = self.encoder(input_ids, lengths=lengths).hidden  # [n, L, d]
+        return pool(hidden, lengths, self.pooling)  # [n, dim]
 
     def extra_repr(self) -> str:
         c, p = self.config, self.pooling
@@ -207,6 +230,18 @@ class TextEncoder(nn.Module):
             f"d_model={c.d_model}, pooling={'+'.join(p.modes)}, normalize={p.normalize}, "
             f"max_seq_length={p.max_seq_length}"
         )
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration, then the module's own mode again: encode and
+    attention_maps are deterministic even on a model someone is fine-tuning."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def _check_text(text: object, name: str) -> None:

@@ -58,10 +58,18 @@ class BertEmbeddings(nn.Module):
         self.norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
-        L = input_ids.shape[1]
-        pos = torch.arange(L, device=input_ids.device)  # [L] absolute positions 0..L-1
-        x = self.word(input_ids) + self.position(pos)[None]  # [B, L, d]
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        if position_ids is None:
+            L = input_ids.shape[1]
+            pos = torch.arange(L, device=input_ids.device)  # [L] absolute positions 0..L-1
+            x = self.word(input_ids) + self.position(pos)[None]  # [B, L, d]
+        else:
+            x = self.word(input_ids) + self.position(position_ids)  # [B, L, d]
         if token_type_ids is None:
             x = x + self.token_type.weight[0]  # single texts are all segment 0
         else:
@@ -114,6 +122,7 @@ class BertEncoder(nn.Module):
         input_ids: Tensor,
         *,
         lengths: Tensor | None = None,
+        doc_ids: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
@@ -125,6 +134,11 @@ class BertEncoder(nn.Module):
             lengths: ``[B]`` valid tokens per row (default: all ``L``). Keys at positions
                 ``>= lengths[b]`` are masked (:func:`qkv.padding`); the outputs of padded
                 query rows are not meaningful and pooling skips them.
+            doc_ids: ``[B, L]`` for rows that pack several texts (instead of ``lengths``):
+                each position's text, numbered within the row, each text one contiguous run;
+                ``-1`` marks padding. A token attends to the tokens of its own text only (a
+                document mask) and positions restart at 0 with each text, so every text gets
+                exactly the vectors it would get alone.
             token_type_ids: ``[B, L]`` segment ids (default: all 0).
             need_weights: also return each layer's attention weights ``[B, H, L, L]``.
             output_hidden_states: also return the embeddings and every layer's output.
@@ -134,17 +148,22 @@ class BertEncoder(nn.Module):
         """
         _check_ids(input_ids, self.config)
         B, L = input_ids.shape
-        mask = None
+        mask: object = None
+        position_ids = None
+        if lengths is not None and doc_ids is not None:
+            raise ValueError("give lengths (padded rows) or doc_ids (packed rows), not both")
         if lengths is not None:
             _check_lengths(lengths, B, L)
             if bool((lengths < L).any()):  # no padding: leave the fused unmasked path free
                 mask = padding(lengths.to(input_ids.device))
+        if doc_ids is not None:
+            mask, position_ids = _packed(doc_ids, B, L)
         if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
             raise ValueError(
                 f"token_type_ids has shape {list(token_type_ids.shape)} but input_ids has "
                 f"{list(input_ids.shape)}; give one segment id per token"
             )
-        x = self.embeddings(input_ids, token_type_ids)  # [B, L, d]
+        x = self.embeddings(input_ids, token_type_ids, position_ids)  # [B, L, d]
         states = [x] if output_hidden_states else None
         maps: list[Tensor] | None = [] if need_weights else None
         for layer in self.layers:
@@ -194,3 +213,28 @@ def _check_lengths(lengths: Tensor, B: int, L: int) -> None:
         raise ValueError(
             f"lengths must lie in [1, {L}] (the padded length), got {lengths.tolist()}"
         )
+
+
+def _packed(doc_ids: Tensor, B: int, L: int) -> tuple[Tensor, Tensor]:
+    """``(mask [B, 1, L, L] bool, position_ids [B, L])`` for rows of packed texts."""
+    if not isinstance(doc_ids, Tensor) or doc_ids.dtype.is_floating_point:
+        raise TypeError("doc_ids must be an integer tensor [B, L] (text number, -1 = padding)")
+    if doc_ids.shape != (B, L):
+        raise ValueError(
+            f"doc_ids must have shape [{B}, {L}] like input_ids, got {list(doc_ids.shape)}"
+        )
+    idx = torch.arange(L, device=doc_ids.device)  # [L]
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)  # [B, L] True where a run begins
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    runs = (starts & (doc_ids >= 0)).sum(dim=1)  # [B]
+    texts = torch.tensor([int(torch.unique(row[row >= 0]).numel()) for row in doc_ids])  # [B]
+    if not torch.equal(runs.cpu(), texts):
+        raise ValueError(
+            "each text in doc_ids must be one contiguous run of positions, e.g. "
+            "[0, 0, 0, 1, 1, -1]; got a text split into several runs"
+        )
+    run_start = torch.where(starts, idx, 0).cummax(dim=1).values  # [B, L] where each run began
+    position_ids = (idx - run_start).clamp(max=L - 1)  # [B, L] restarts at 0 with each text
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, L, L]
+    mask = same & (doc_ids >= 0)[:, None, :]  # [B, L, L] own text's keys, never padding
+    return mask[:, None], position_ids  # [B, 1, L, L], [B, L]
