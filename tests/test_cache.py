@@ -196,6 +196,29 @@ def test_inference_mode_decoding_and_leaving_it():
         assert float((_decode(mha, x, cache, [6], mask=qkv.causal) - got).abs().max()) <= 1e-5
 
 
+@pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(30), lambda: qkv.SlidingWindowCache(4)])
+def test_a_failed_step_leaves_the_cache_usable(make_cache):
+    """A mask_mod that raises inside the attention call: the cache does not advance, and
+    retrying the same chunk gives the full pass's result."""
+    mha = _module(gqa=True, rope=True)
+    x = torch.randn(1, 12, 48)
+    cache = make_cache()
+    window = getattr(cache, "window", 12)
+
+    def broken(b, h, q, k):
+        raise RuntimeError("boom")
+
+    with torch.no_grad():
+        full = mha(x, mask=qkv.sliding_window(window - 1))
+        first = mha(x[:, :6], cache=cache, mask=qkv.causal)
+        for chunk in (slice(6, 9), slice(6, 7)):
+            with pytest.raises(RuntimeError, match="boom"):
+                mha(x[:, chunk], cache=cache, mask=broken)
+            assert cache.length == 6
+        rest = _decode(mha, x[:, 6:], cache, [3, 1, 2], mask=qkv.causal)
+    assert float((torch.cat((first, rest), 1) - full).abs().max()) <= 1e-5
+
+
 def test_unbatched_decoding():
     mha = _module(gqa=False, rope=True)
     x = torch.randn(7, 48)

@@ -64,32 +64,25 @@ class _Cache:
             )
         w = module.k_proj.weight
         spec = (B, module.n_kv_heads, self._capacity, module.head_dim)
-        if (
-            self._k is None
-            or self._k.shape != spec
-            or (self._k.dtype, self._k.device)
-            != (
-                w.dtype,
-                w.device,
+        k = self._k
+        if k is not None and k.shape == spec and (k.dtype, k.device) == (w.dtype, w.device):
+            if k.is_inference() and not torch.is_inference_mode_enabled():
+                if self.length > 0:
+                    raise RuntimeError(
+                        f"this {type(self).__name__} was filled under torch.inference_mode(), "
+                        f"so its buffers can only be written there; keep decoding inside "
+                        f"inference_mode (or reset() the cache to start over outside it)"
+                    )
+                k = None  # reallocate outside inference mode
+        elif k is not None and self.length > 0:
+            raise ValueError(
+                f"this {type(self).__name__} holds {self.length} tokens of batch size "
+                f"{k.shape[0]}, {k.dtype}, on {k.device}; the new input has batch size {B}, "
+                f"{w.dtype}, on {w.device}: reset() the cache to start a new sequence"
             )
-        ):
-            if self.length > 0:
-                assert self._k is not None
-                raise ValueError(
-                    f"this {type(self).__name__} holds {self.length} tokens of batch size "
-                    f"{self._k.shape[0]}, {self._k.dtype}, on {self._k.device}; the new input "
-                    f"has batch size {B}, {w.dtype}, on {w.device}: reset() the cache to "
-                    f"start a new sequence"
-                )
-            self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
-            self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
-        elif self._k.is_inference() and not torch.is_inference_mode_enabled():
-            if self.length > 0:
-                raise RuntimeError(
-                    f"this {type(self).__name__} was filled under torch.inference_mode(), so "
-                    f"its buffers can only be written there; keep decoding inside "
-                    f"inference_mode (or reset() the cache to start over outside it)"
-                )
+        else:
+            k = None
+        if k is None:  # the one allocation, to the full capacity
             self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
             self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
         self._check_room(Lq)
@@ -99,6 +92,7 @@ class _Cache:
         pass
 
     def _advance(self, n: int) -> None:
+        """The attention call succeeded: commit its ``n`` tokens."""
         self._length += n
 
     def _write(self, name: str, index: slice | Tensor, new: Tensor) -> Tensor:
@@ -245,6 +239,7 @@ class SlidingWindowCache(_Cache):
             )
         self.window = window
         self._capacity = window
+        self._pending: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, k, v) to write
 
     def __repr__(self) -> str:
         return f"qkv.SlidingWindowCache(window={self.window}, length={self.length})"
@@ -269,6 +264,7 @@ class SlidingWindowCache(_Cache):
         self, k: Tensor, v: Tensor, mask: object, score_mod: object, *, ordered: bool
     ) -> tuple[Tensor, Tensor, object, object]:
         n, Lq, W = self.length, k.shape[2], self.window
+        self._pending = None  # left over from a call that failed
         if Lq == 1 and not ordered:
             return self._extend_one(k, v, mask, score_mod)
         assert self._k is not None and self._v is not None
@@ -296,11 +292,21 @@ class SlidingWindowCache(_Cache):
         else:
             full_mask = and_masks(window, user)  # type: ignore[arg-type]
         score_mod = score_at(score_mod, n, n - m, Lq)
-        keep = min(Lq, W)  # the newest `keep` keys stay in the ring
+        # The newest `keep` keys stay in the ring. They are written after the attention call
+        # (in _advance): writing now would evict keys this chunk's queries may still need if
+        # the call fails (say, a mask_mod raises) and is retried.
+        keep = min(Lq, W)
         slots = torch.arange(n + Lq - keep, n + Lq, device=k.device) % W
-        self._write("_k", slots, k[:, :, Lq - keep :])
-        self._write("_v", slots, v[:, :, Lq - keep :])
+        self._pending = (slots, k[:, :, Lq - keep :], v[:, :, Lq - keep :])
         return k_all, v_all, full_mask, score_mod
+
+    def _advance(self, n: int) -> None:
+        if self._pending is not None:
+            slots, k, v = self._pending
+            self._pending = None
+            self._write("_k", slots, k)
+            self._write("_v", slots, v)
+        super()._advance(n)
 
     def _extend_one(
         self, k: Tensor, v: Tensor, mask: object, score_mod: object
