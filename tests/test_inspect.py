@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import qkv
-from conftest import FLOOR, Comparison, _maxerr
 from qkv.inspect._stats import stats_of_problem
 from qkv.inspect._weights import check_problem
+from qkv_testing import FLOOR, Comparison, _maxerr
 
 Tensor = torch.Tensor
 
@@ -376,27 +376,6 @@ def test_record_resets_layer_name_when_forward_raises() -> None:
     assert qkv._recording.LAYER.get() == ""
 
 
-@pytest.mark.parametrize("module", ["_weights", "_stats", "_record"])
-def test_docstring_examples_run(module: str) -> None:
-    import doctest
-    import importlib
-
-    mod = importlib.import_module(f"qkv.inspect.{module}")
-    result = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 and result.failed == 0
-
-
-def test_readme_inspect_example_runs() -> None:
-    import re
-    from pathlib import Path
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## Inspection from the fast path") :]
-    code = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert code is not None
-    exec(compile(code.group(1), "README.md", "exec"), {})
-
-
 def test_stats_recompute_path_equals_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row blocks too big for the tile cache recompute their tiles: same statistics."""
     from qkv.inspect import _stats
@@ -410,3 +389,20 @@ def test_stats_recompute_path_equals_cached(monkeypatch: pytest.MonkeyPatch) -> 
     recomputed = stats_of_problem(p, lse4, 4, block_q=32, block_k=128)
     for a, b in zip(vars(cached).values(), vars(recomputed).values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_torch_compile_traces_attention_while_recording() -> None:
+    """dynamo cannot trace a ContextVar lookup: compiled calls skip recording, fullgraph holds."""
+    x = torch.randn(1, 2, 9, 16)
+
+    def f(t: Tensor) -> Tensor:
+        out = qkv.attention(t, t, t, mask=qkv.causal)
+        assert isinstance(out, Tensor)
+        return out * 2
+
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    with qkv.inspect.record(torch.nn.Identity()) as rec:
+        got = compiled(x)
+    assert torch.allclose(got, f(x), atol=1e-6)
+    assert len(rec) == 0  # the compiled call was not recorded
+    assert qkv._recording.current() is None and qkv._recording._open == 0

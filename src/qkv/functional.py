@@ -67,7 +67,7 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.causal).shape
         torch.Size([2, 8, 128, 64])
     """
-    recorder = _recording.ACTIVE.get()  # qkv.inspect.record(): None unless recording
+    recorder = _recording.current()  # qkv.inspect.record(): None unless recording
     p = validate(
         q,
         k,

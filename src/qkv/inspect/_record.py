@@ -151,7 +151,8 @@ def record(
 ) -> Iterator[Recording]:
     """Record every ``qkv.attention`` call made while the block runs, named by layer.
 
-    Inside the block, each call asks its backend for the lse too (so the planner may pick a
+    Calls traced by ``torch.compile`` are not recorded (dynamo cannot trace the context
+    lookup). Inside the block, each call asks its backend for the lse too (so the planner may pick a
     different, lse-capable backend than it would otherwise) and the caller still gets what it
     asked for. Calls inside a ``qkv.MultiHeadAttention`` submodule of ``module`` are named by
     that submodule's dotted name. Recordings nest: an inner one takes the calls until it ends.
@@ -201,9 +202,11 @@ def record(
         # always_call: the layer name is reset even when the forward raises.
         handles.append(m.register_forward_hook(post, always_call=True))
     active = _recording.ACTIVE.set(rec)
+    _recording.opened(+1)
     try:
         yield rec
     finally:
+        _recording.opened(-1)
         _recording.ACTIVE.reset(active)
         for h in handles:
             h.remove()
