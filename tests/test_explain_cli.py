@@ -127,6 +127,7 @@ def test_hostile_text_is_escaped(tmp_path: Path) -> None:
         (["--png", "/nonexistent-dir/x.png"], "the directory '/nonexistent-dir' does not exist"),
         (["--html", "/"], "--html '/' is a directory; give a file name"),
         (["--model", "/nonexistent-model"], "/nonexistent-model does not exist"),
+        (["word " * 600], "the text is 602 tokens long ([CLS] and [SEP] included) but this"),
         (["--layer", "x"], "argument --layer: invalid int value: 'x'"),
     ],
 )
