@@ -3,7 +3,7 @@
 The public surface is what this module re-exports (``__all__``); everything else is private.
 """
 
-from . import models, reference
+from . import inspect, models, reference
 from ._cache import KVCache, SlidingWindowCache
 from ._rope import RotaryEmbedding
 from .functional import attention
@@ -27,6 +27,7 @@ __all__ = [
     "attention",
     "causal",
     "document",
+    "inspect",
     "models",
     "or_masks",
     "padding",

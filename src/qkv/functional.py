@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import planner
+from . import _recording, planner
 from ._validate import validate
 
 Tensor = torch.Tensor
@@ -67,6 +67,7 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.causal).shape
         torch.Size([2, 8, 128, 64])
     """
+    recorder = _recording.current()  # qkv.inspect.record(): None unless recording
     p = validate(
         q,
         k,
@@ -75,10 +76,13 @@ def attention(
         score_mod=score_mod,
         scale=scale,
         dropout_p=dropout_p,
-        return_lse=return_lse,
+        return_lse=return_lse or recorder is not None,
     )
     b, _ = planner.select(p, backend)
     out, lse = b.run(p)
+    if recorder is not None:
+        assert lse is not None, f"backend {b.name} returned no lse although it was asked for"
+        recorder.observe(p, lse)
     out = p.restore(out)
     if not return_lse:
         return out
