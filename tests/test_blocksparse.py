@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import qkv
-from conftest import assert_matches_oracle, compare_to_oracle, cuda
+from conftest import cuda
 from qkv.backends import _blocksparse_job as job_mod
+from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 blocksparse = functools.partial(qkv.attention, backend="blocksparse")
 with_lse = functools.partial(qkv.attention, backend="blocksparse", return_lse=True)
@@ -322,16 +323,13 @@ def test_nested_closures_are_searched(check):
     def opaque(s, b, h, i, j):  # its own cells hold only `helper`
         return s + helper(h)
 
-    found, is_hidden = qkv.backends.blocksparse._score_mod_tensors(
-        opaque, qkv._validate.validate(q, k, v, score_mod=opaque)
-    )
-    assert found == [hidden] and not is_hidden
+    assert qkv.backends.blocksparse._captured(opaque) == [hidden]
     check(with_lse, q, k, v, mask=qkv.causal, score_mod=opaque, extra_params=(hidden,))
 
 
-def test_hidden_dependency_falls_back_to_checkpointing(check):
-    """A tensor held by a class attribute is not searched; the probe notices the dependency
-    and the engine differentiates per block with checkpointing instead (still exact)."""
+def test_hidden_dependency_falls_back_to_checkpointing(check, monkeypatch):
+    """A tensor held by a class attribute is not searched; the first score_mod call notices
+    the dependency and the engine differentiates per block with checkpointing instead."""
     q, k, v = _qkv()
     hidden = torch.randn(4, requires_grad=True)
 
@@ -341,12 +339,33 @@ def test_hidden_dependency_falls_back_to_checkpointing(check):
     def deeper(s, b, h, i, j):
         return s + Holder.table[h]
 
-    found, is_hidden = qkv.backends.blocksparse._score_mod_tensors(
-        deeper, qkv._validate.validate(q, k, v, score_mod=deeper)
+    assert qkv.backends.blocksparse._captured(deeper) == []
+    used = []
+    real = qkv.backends.blocksparse._checkpointed
+    monkeypatch.setattr(
+        qkv.backends.blocksparse, "_checkpointed", lambda *a: used.append(1) or real(*a)
     )
-    assert is_hidden and not found
     m = qkv.block_mask(qkv.sliding_window(20), 2, 4, 70, 90, block_size=16)
     check(with_lse, q, k, v, mask=m, score_mod=deeper, extra_params=(hidden,))
+    assert used
+
+
+def test_score_mod_sees_only_real_scores():
+    """No probe calls: every score a score_mod sees is a real piece of q kᵀ * scale."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    seen = []
+
+    def spy(s, b, h, i, j):
+        seen.append((s.detach().clone(), i.clone(), j.clone()))
+        return s
+
+    m = qkv.block_mask(qkv.causal, 2, 4, 70, 90, block_size=16)
+    blocksparse(q, k, v, mask=m, score_mod=spy).sum().backward()
+    kk = k.detach().repeat_interleave(2, 1)  # [B, Hq, Lk, D]
+    full = (q.detach() @ kk.transpose(-2, -1)) / 24**0.5  # [B, Hq, Lq, Lk]
+    for s, i, j in seen:
+        want = full[:, :, i.view(-1)][..., j.view(-1)]
+        torch.testing.assert_close(s, want)
 
 
 def test_gradient_through_lse():

@@ -3,10 +3,13 @@
 The public surface is what this module re-exports (``__all__``); everything else is private.
 """
 
-from . import reference
+from . import inspect, models, reference
+from ._cache import KVCache, SlidingWindowCache
+from ._rope import RotaryEmbedding
 from .blockmask import BlockMask, block_mask
 from .functional import attention
 from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
+from .modules import MultiHeadAttention
 from .planner import Plan, plan, set_dense_limit
 from .scores import alibi, alibi_slopes, relative_bias, softcap
 
@@ -14,7 +17,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
+    "KVCache",
+    "MultiHeadAttention",
     "Plan",
+    "RotaryEmbedding",
+    "SlidingWindowCache",
     "__version__",
     "alibi",
     "alibi_slopes",
@@ -23,6 +30,8 @@ __all__ = [
     "block_mask",
     "causal",
     "document",
+    "inspect",
+    "models",
     "or_masks",
     "padding",
     "plan",

@@ -105,6 +105,8 @@ def _evaluate(mod: Any, g: _Grid) -> Tensor:
     if g.device.type == "meta" or (isinstance(mod, Tensor) and mod.device.type == "meta"):
         # No data to evaluate (qkv.plan on meta tensors): every block may hold anything.
         return torch.ones(1, 1, g.nq, g.nk, dtype=torch.int8)
+    if g.Lq == 0 or g.Lk == 0:
+        return torch.zeros(1, 1, g.nq, g.nk, dtype=torch.int8)
     rows, cols = _tile_rows(g)
     states: Tensor | None = None
     for r0 in range(0, g.Lq, rows):

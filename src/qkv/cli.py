@@ -10,6 +10,7 @@ import sys
 # name -> (module under qkv._cli, one-line help). A module defines add_arguments(parser)
 # and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "explain": ("explain", "what a token attends to in a real model, layer by layer"),
     "walkthrough": ("walkthrough", "the formula step by step on a tiny example"),
     "plan": ("plan", "which backend qkv.attention would run for a shape and mask, and why"),
     "bench": ("bench", "time qkv against torch SDPA (and FlexAttention) over lengths and masks"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import planner
+from . import _recording, planner
 from ._validate import validate
 
 Tensor = torch.Tensor
@@ -14,8 +14,8 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
     mask: object = None,
+    *,
     score_mod: object = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -39,7 +39,8 @@ def attention(
         k: keys ``[B, Hkv, Lk, D]``. ``Hq % Hkv == 0``: query head ``h`` uses key/value head
             ``h // (Hq // Hkv)`` (grouped-query attention; ``Hkv = 1`` is multi-query).
         v: values ``[B, Hkv, Lk, Dv]``.
-        mask: ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
+        mask: (may also be passed positionally, as in ``attention(Q, K, V, mask)``)
+            ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
             attend); a mask_mod ``(b, h, q_idx, kv_idx) -> bool tensor`` such as
             :data:`qkv.causal` (called with broadcastable int64 index tensors, no vmap or
             compile); or a prebuilt block mask.
@@ -66,6 +67,7 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.causal).shape
         torch.Size([2, 8, 128, 64])
     """
+    recorder = _recording.current()  # qkv.inspect.record(): None unless recording
     p = validate(
         q,
         k,
@@ -74,10 +76,13 @@ def attention(
         score_mod=score_mod,
         scale=scale,
         dropout_p=dropout_p,
-        return_lse=return_lse,
+        return_lse=return_lse or recorder is not None,
     )
     b, _ = planner.select(p, backend)
     out, lse = b.run(p)
+    if recorder is not None:
+        assert lse is not None, f"backend {b.name} returned no lse although it was asked for"
+        recorder.observe(p, lse)
     out = p.restore(out)
     if not return_lse:
         return out

@@ -363,10 +363,17 @@ class _Or(_Combined):
 
 
 def _call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    from ._validate import check_mask_result
+    """Call one combined mask_mod, checking its dtype but keeping its shape (so combinations
+    also work under FlexAttention's vmap, where the indices are scalars)."""
+    out = mod(b, h, q_idx, kv_idx)
+    if isinstance(out, bool):
+        return torch.tensor(out, device=q_idx.device)
+    if not isinstance(out, Tensor) or out.dtype != torch.bool:
+        from ._validate import check_mask_result
 
-    shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-    return check_mask_result(mod(b, h, q_idx, kv_idx), mod, shape)
+        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        check_mask_result(out, mod, shape)  # raises with the mask_mod's name
+    return out
 
 
 def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:

@@ -26,8 +26,8 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
     mask: object = None,
+    *,
     score_mod: object = None,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,7 @@ pieces, the mask source, the score_mod or bias, dropout seeds, and which kernel 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,10 @@ class Piece:
         return self.index.to(device)
 
 
+class HiddenDependency(Exception):
+    """A score_mod's output depends on a learnable tensor that inspection did not find."""
+
+
 @dataclass
 class BandGroup:
     """Query blocks ``i0 .. i0+n-1`` (all full-size) that see key blocks ``i+c .. i+c+w-1``
@@ -98,6 +103,10 @@ class Job:
     seed: int  # dropout seed for this call (drawn from torch's default generator)
     mask_dims: tuple[int, int]  # (b', h') the mask varies over
     params: list[Tensor] = field(default_factory=list)  # tensors a score_mod closes over
+    # Set for the first score_mod call of a call that may need gradients: given the score_mod's
+    # output and its score input (under autograd), True if the output depends on a learnable
+    # tensor the engine does not know about (see blocksparse.py).
+    hidden_check: Callable[[Tensor, Tensor], bool] | None = None
     # The forward may use its own, finer schedule (band masks: see make_job); None = the same.
     fwd_rows: list[list[Piece]] | None = None
     fwd_groups: list[BandGroup] | None = None
@@ -191,7 +200,16 @@ class Job:
         p = self.p
         b, h, qi, _ = index_tensors(p.B, p.Hq, (pc.q0, pc.q1), (0, 0), s.device)
         ki = pc.key_positions(s.device).view(1, 1, 1, -1)  # [1, 1, 1, span]
-        out = self.score_mod(s, b, h, qi, ki)
+        check, self.hidden_check = self.hidden_check, None
+        if check is None:
+            out = self.score_mod(s, b, h, qi, ki)
+        else:  # the first call: watch which learnable tensors the output depends on
+            with torch.enable_grad():
+                s_in = s.detach().requires_grad_(True)
+                out = self.score_mod(s_in, b, h, qi, ki)
+            if isinstance(out, Tensor) and check(out, s_in):
+                raise HiddenDependency
+            out = out.detach() if isinstance(out, Tensor) else out
         out = check_score_result(out, self.score_mod, tuple(s.shape), s.dtype)
         return out.expand(s.shape)
 

@@ -24,13 +24,20 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._validate import Problem, index_tensors
+from .._validate import Problem
 from ..blockmask import BlockMask
 from ..masks import _Band
 from ._base import Backend
 from ._blocksparse_bwd import backward
 from ._blocksparse_fwd import forward, row_forward
-from ._blocksparse_job import _PIECE_BUDGET, Job, _segments, fused_ok, make_job
+from ._blocksparse_job import (
+    _PIECE_BUDGET,
+    HiddenDependency,
+    Job,
+    _segments,
+    fused_ok,
+    make_job,
+)
 
 Tensor = torch.Tensor
 
@@ -59,8 +66,11 @@ class _BlockSparseAttention(torch.autograd.Function):
         dbias = None
         if job.bias is not None and need[3] and g.dbias is not None:
             dbias = g.dbias.to(job.bias.dtype)
+        # A parameter no visible score reached (every key masked) still gets a zero gradient,
+        # as plain autograd would give it.
         dparams = [
-            None if d is None else d.to(t.dtype) for d, t in zip(g.dparams, job.params, strict=True)
+            (torch.zeros_like(t) if n else None) if d is None else d.to(t.dtype)
+            for d, t, n in zip(g.dparams, job.params, ctx.needs_input_grad[5:], strict=True)
         ]
         return (
             None,
@@ -130,28 +140,37 @@ class BlocksparseBackend(Backend):
             return out, (lse if p.return_lse else None)
         job = make_job(p)
         bias = job.bias
-        hidden = False
-        if job.score_mod is not None and torch.is_grad_enabled():
-            job.params, hidden = _score_mod_tensors(job.score_mod, p)
+        watch = job.score_mod is not None and torch.is_grad_enabled()
+        if watch:
+            job.params = _captured(job.score_mod)
         inputs = [p.q, p.k, p.v, *([bias] if bias is not None else []), *job.params]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        if hidden and needs_grad:
-            out, lse = _checkpointed(job, p.q, p.k, p.v)
-        elif needs_grad:
-            out, lse = _BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *job.params)
-            if job.fused and _huge(lse):
-                # The fused kernel recomputes the scores in its backward with a different
-                # summation order than its forward; at scores of ~1e3 and beyond the two
-                # differ by more than float32 noise (5e-3 at 1e4, measured), which scales
-                # whole rows of the recomputed probabilities. torch's own SDPA flash backward
-                # shares this. Explicit matmuls recompute bit-identical scores, so such
-                # problems are redone with them (the forward runs twice, only here).
-                job = make_job(p, matmul=True)
-                out, lse = _BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *job.params)
-        else:
+        if not (needs_grad or watch):
             with torch.no_grad():
                 out, lse = forward(job, p.q, p.k, p.v)
-        return out, (lse.float() if p.return_lse else None)
+            return out, (lse.float() if p.return_lse else None)
+        if watch:
+            job.hidden_check = functools.partial(_reaches_hidden, found=job.params)
+        try:
+            out, lse = _BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *job.params)
+        except HiddenDependency:
+            job.hidden_check = None
+            return _maybe_lse(p, _checkpointed(job, p.q, p.k, p.v))
+        if job.fused and needs_grad and _huge(lse):
+            # The fused kernel recomputes the scores in its backward with a different
+            # summation order than its forward; at scores of ~1e3 and beyond the two
+            # differ by more than float32 noise (5e-3 at 1e4, measured), which scales
+            # whole rows of the recomputed probabilities. torch's own SDPA flash backward
+            # shares this. Explicit matmuls recompute bit-identical scores, so such
+            # problems are redone with them (the forward runs twice, only here).
+            job = make_job(p, matmul=True)
+            out, lse = _BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *job.params)
+        return _maybe_lse(p, (out, lse))
+
+
+def _maybe_lse(p: Problem, res: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+    out, lse = res
+    return out, (lse.float() if p.return_lse else None)
 
 
 # |lse| beyond which the fused kernel's recomputed scores are too far from its forward's.
@@ -166,12 +185,12 @@ def _huge(lse: Tensor) -> bool:
 # ------------------------------------------------------------------ score_mod gradients
 
 
-def _score_mod_tensors(score_mod: Any, p: Problem) -> tuple[list[Tensor], bool]:
-    """Tensors requiring grad that ``score_mod`` closes over, and whether a probe run found a
-    learnable dependency outside them (then only autograd itself can follow it)."""
+def _captured(score_mod: Any) -> list[Tensor]:
+    """Tensors requiring grad that ``score_mod`` closes over: closure cells, defaults,
+    globals it names, attributes, ``functools.partial`` arguments, module parameters."""
     found: list[Tensor] = []
     _collect(score_mod, found, set(), 0)
-    return found, _hidden_dependency(score_mod, p, found)
+    return found
 
 
 def _collect(obj: Any, out: list[Tensor], seen: set[int], depth: int) -> None:
@@ -223,26 +242,18 @@ def _has_contents(cell: Any) -> bool:
     return True
 
 
-def _hidden_dependency(score_mod: Any, p: Problem, found: list[Tensor]) -> bool:
-    """Run the score_mod on a tiny probe and walk its autograd graph: True if it reaches a
-    tensor requiring grad that is not among ``found`` (nor behind one of them)."""
-    if p.device.type == "meta":
-        return False
-    qn, kn = min(p.Lq, 2), min(p.Lk, 2)
-    with torch.enable_grad():
-        b, h, qi, ki = index_tensors(p.B, p.Hq, (0, qn), (0, kn), p.device)
-        s = torch.zeros(p.B, p.Hq, qn, kn, dtype=p.compute_dtype, device=p.device)
-        s.requires_grad_(True)
-        r = score_mod(s, b, h, qi, ki)
-    if not isinstance(r, Tensor) or r.grad_fn is None:
+def _reaches_hidden(out: Tensor, score: Tensor, found: list[Tensor]) -> bool:
+    """Walk the autograd graph of a score_mod's ``out`` (computed from ``score``): True if it
+    reaches a tensor requiring grad that is not among ``found`` (nor behind one of them)."""
+    if out.grad_fn is None:
         return False
     stop = {id(t.grad_fn) for t in found if t.grad_fn is not None}
-    leaves = {id(t) for t in found} | {id(s)}
-    todo: list[Any] = [r.grad_fn]
+    leaves = {id(t) for t in found} | {id(score)}
+    todo: list[Any] = [out.grad_fn]
     seen: set[int] = set()
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop:
+        if id(node) in seen or id(node) in stop:
             continue
         seen.add(id(node))
         var = getattr(node, "variable", None)

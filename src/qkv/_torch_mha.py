@@ -1,0 +1,113 @@
+"""Weight conversion between ``torch.nn.MultiheadAttention`` and ``qkv.MultiHeadAttention``.
+
+torch keeps the three in-projections either packed (``in_proj_weight [3E, E]``, rows q|k|v) or
+separate (``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` when kdim/vdim differ from
+``embed_dim``), with one packed ``in_proj_bias [3E]``; ``out_proj`` is a ``Linear``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .modules import MultiHeadAttention
+
+Tensor = torch.Tensor
+
+
+def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> MultiHeadAttention:
+    if not isinstance(m, nn.MultiheadAttention):
+        raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}")
+    if m.bias_k is not None or m.bias_v is not None:
+        raise ValueError(
+            "this torch.nn.MultiheadAttention has add_bias_kv=True (learned key/value appended "
+            "to every sequence), which qkv.MultiHeadAttention does not model"
+        )
+    if m.add_zero_attn:
+        raise ValueError(
+            "this torch.nn.MultiheadAttention has add_zero_attn=True (a zero key/value appended "
+            "to every sequence), which qkv.MultiHeadAttention does not model"
+        )
+    E = m.embed_dim
+    has_in_bias = m.in_proj_bias is not None
+    has_out_bias = m.out_proj.bias is not None
+    if has_in_bias != has_out_bias:
+        raise ValueError(
+            f"torch module has in-projection bias {has_in_bias} but out-projection bias "
+            f"{has_out_bias}; qkv's bias= flag covers all four projections together"
+        )
+    w = m.out_proj.weight
+    new = cls(
+        E,
+        m.num_heads,
+        kdim=m.kdim,
+        vdim=m.vdim,
+        bias=has_in_bias,
+        dropout=float(m.dropout),
+        device=w.device,
+        dtype=w.dtype,
+    )
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:
+            assert m.in_proj_weight is not None
+            wq, wk, wv = m.in_proj_weight.chunk(3, dim=0)  # [E, E] each
+        else:
+            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+        new.q_proj.weight.copy_(wq)
+        new.k_proj.weight.copy_(wk)
+        new.v_proj.weight.copy_(wv)
+        new.out_proj.weight.copy_(m.out_proj.weight)
+        if has_in_bias:
+            assert m.in_proj_bias is not None and m.out_proj.bias is not None
+            bq, bk, bv = m.in_proj_bias.chunk(3)  # [E] each
+            new.q_proj.bias.copy_(bq)
+            new.k_proj.bias.copy_(bk)
+            new.v_proj.bias.copy_(bv)
+            new.out_proj.bias.copy_(m.out_proj.bias)
+    new.train(m.training)
+    return new
+
+
+def to_torch(mha: MultiHeadAttention, *, batch_first: bool) -> nn.MultiheadAttention:
+    if mha.n_kv_heads != mha.n_heads:
+        raise ValueError(
+            f"torch.nn.MultiheadAttention has no grouped-query attention, but this module has "
+            f"n_kv_heads={mha.n_kv_heads} < n_heads={mha.n_heads}"
+        )
+    if mha.rope is not None:
+        raise ValueError("torch.nn.MultiheadAttention has no rotary embeddings (rope is set)")
+    if mha.q_norm is not None:
+        raise ValueError("torch.nn.MultiheadAttention has no qk_norm (qk_norm=True here)")
+    w = mha.q_proj.weight
+    bias = mha.q_proj.bias is not None
+    m = nn.MultiheadAttention(
+        mha.d_model,
+        mha.n_heads,
+        dropout=mha.dropout,
+        bias=bias,
+        kdim=mha.kdim,
+        vdim=mha.vdim,
+        batch_first=batch_first,
+        device=w.device,
+        dtype=w.dtype,
+    )
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:
+            assert m.in_proj_weight is not None
+            wq, wk, wv = mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight
+            m.in_proj_weight.copy_(torch.cat((wq, wk, wv)))  # [3E, E]
+        else:
+            m.q_proj_weight.copy_(mha.q_proj.weight)
+            m.k_proj_weight.copy_(mha.k_proj.weight)
+            m.v_proj_weight.copy_(mha.v_proj.weight)
+        m.out_proj.weight.copy_(mha.out_proj.weight)
+        if bias:
+            assert m.in_proj_bias is not None and m.out_proj.bias is not None
+            bq, bk, bv = mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias
+            m.in_proj_bias.copy_(torch.cat((bq, bk, bv)))  # [3E]
+            m.out_proj.bias.copy_(mha.out_proj.bias)
+    m.train(mha.training)
+    return m
