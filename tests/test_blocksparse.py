@@ -257,9 +257,22 @@ def test_mask_mod_builds_a_block_mask_on_the_fly():
     want, _ = qkv.reference.attention(q, k, v, mask=qkv.sliding_window(100))
     torch.testing.assert_close(out, want)
     job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=qkv.sliding_window(100)))
-    assert job.groups and job.fwd_groups  # batched band rows, in both schedules
-    assert _work(job.rows, job.groups) <= 1024 * (101 + 2 * 128)
-    assert _work(job.fwd_rows, job.fwd_groups) <= 1024 * (101 + 2 * 32)
+    assert job.fwd.groups and job.bwd.groups  # batched band rows, in both schedules
+    assert _work(job.bwd.rows, job.bwd.groups) <= 1024 * (101 + 2 * 128)
+    assert _work(job.fwd.rows, job.fwd.groups) <= 1024 * (101 + 2 * 32)
+
+
+@pytest.mark.parametrize("L", [(300, 300), (1000, 1000), (700, 900), (900, 700)], ids=str)
+@pytest.mark.parametrize("window", [(100, 0), (40, 60), (0, 0)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_band_masks_batched_along_the_band(check, L, window, dtype):
+    """Band masks given as mask_mods run as batched band groups (forward with 32-row blocks,
+    backward with 128-row blocks, plans cached by value), for both dtypes."""
+    q, k, v = _qkv(B=1, Hq=2, Hkv=2, Lq=L[0], Lk=L[1], D=16, Dv=8, dtype=dtype)
+    mask = qkv.sliding_window(*window)
+    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=mask))
+    assert job.fwd.groups
+    check(with_lse, q, k, v, mask=mask)
 
 
 # ------------------------------------------------------------- score_mod-captured gradients
@@ -404,7 +417,7 @@ def test_pieces_split_and_merge_under_a_small_budget(check, monkeypatch, mask):
         _mask(mask, 2, 70, 90, torch.Generator().manual_seed(0)), 2, 4, 70, 90, block_size=16
     )
     job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=m))
-    assert max(len(r) for r in job.rows) > 1
+    assert max(len(r) for r in job.fwd.rows) > 1
     check(with_lse, q, k, v, mask=m)
     table = torch.randn(9, 4).requires_grad_()
     check(with_lse, q, k, v, mask=m, score_mod=qkv.relative_bias(table, 4), extra_params=(table,))

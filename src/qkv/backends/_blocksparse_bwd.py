@@ -117,12 +117,13 @@ def _fused_backward(
         g.dq[:, :, q0:q1] += dq[..., :D]
         g.dk[:, :, k0:k1] += dk[..., :D]
         g.dv[:, :, k0:k1] += dv[..., :Dv]
-    if job.groups:
+    sched = job.bwd
+    if sched.groups:
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
-        for grp in job.groups:
+        for grp in sched.groups:
             _group_backward(job, grp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
-    for pieces in job.rows:
+    for pieces in sched.rows:
         for pc in pieces:
             r = slice(pc.q0, pc.q1)
             fm = float_mask(job, pc, job.piece_mask(pc, q.device), q.dtype)
@@ -160,7 +161,7 @@ def _group_backward(
     """One band group's backward in a single fused call; the windows' key gradients overlap,
     so they are added back one key-block offset at a time."""
     p = job.p
-    job.group_mask(grp, q.device, q.dtype)
+    fmask, _ = job.group_mask(grp, q.device, q.dtype)
     b, n, span = grp.b, grp.n, grp.w * grp.b
     first_q, first_k = grp.i0 * b, (grp.i0 + grp.c) * b
     dq, dk, dv = _flash_cpu_bwd(
@@ -172,7 +173,7 @@ def _group_backward(
         strided_blocks(lse.unsqueeze(-1), first_q, n, b, b).squeeze(-1),
         0.0,
         False,
-        attn_mask=grp.fmask,
+        attn_mask=fmask,
         scale=p.scale,
     )  # [B*H, n, b|span, Dm]
     strided_blocks(g.dq, first_q, n, b, b).add_(dq[..., :D])
@@ -202,7 +203,7 @@ def _matmul_backward(
     lse64 = _lse_for_bwd(lse).double()
     lse_hi = lse64.to(cdt)
     lse_lo = (lse64 - lse_hi.double()).to(cdt)
-    for pieces in job.rows:
+    for pieces in job.bwd.rows:
         if not pieces:
             continue
         r = slice(pieces[0].q0, pieces[0].q1)

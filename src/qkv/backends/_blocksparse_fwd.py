@@ -186,14 +186,14 @@ def group_forward(
 ) -> None:
     """One band group: a single fused call over strided views; writes ``out`` and ``lse``."""
     p = job.p
-    job.group_mask(g, q.device, q.dtype)
+    fmask, dead = job.group_mask(g, q.device, q.dtype)
     span = g.w * g.b
     qg = strided_blocks(q, g.i0 * g.b, g.n, g.b, g.b)  # [B*H, n, b, Dm]
     kg = strided_blocks(k, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
     vg = strided_blocks(v, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
-    o, l_ = _flash_cpu(qg, kg, vg, 0.0, False, attn_mask=g.fmask, scale=p.scale)
-    if g.dead is not None:
-        l_ = l_.masked_fill(g.dead.view(1, 1, g.b).expand_as(l_), float("-inf"))
+    o, l_ = _flash_cpu(qg, kg, vg, 0.0, False, attn_mask=fmask, scale=p.scale)
+    if dead is not None:
+        l_ = l_.masked_fill(dead.view(1, 1, g.b).expand_as(l_), float("-inf"))
     strided_blocks(out, g.i0 * g.b, g.n, g.b, g.b).copy_(o[..., : out.shape[-1]])
     strided_blocks(lse.unsqueeze(-1), g.i0 * g.b, g.n, g.b, g.b).copy_(l_.unsqueeze(-1))
 
@@ -209,8 +209,7 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if len(job.segments) == 1 and job.segments[0][:4] == (0, Lq, 0, p.Lk):
         out, lse = _flash_cpu(q, k, v, 0.0, job.segments[0][4], scale=p.scale)
         return out[..., :Dv], lse.double()
-    rows = job.rows if job.fwd_rows is None else job.fwd_rows
-    groups = job.groups if job.fwd_groups is None else job.fwd_groups
+    rows, groups = job.fwd.rows, job.fwd.groups
     # Rows that nothing writes see no key: output 0 (filled below), lse -inf.
     out = q.new_empty(B, Hq, Lq, Dv)
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)

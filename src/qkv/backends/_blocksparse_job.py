@@ -11,6 +11,7 @@ pieces, the mask source, the score_mod or bias, dropout seeds, and which kernel 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from .._validate import Problem, check_mask_result, check_score_result, index_tensors
-from ..blockmask import BlockMask, block_mask, for_problem
+from ..blockmask import DEFAULT_BLOCK, BlockMask, block_mask, for_problem
 from ..masks import _And, _Band, _Document
 
 Tensor = torch.Tensor
@@ -77,9 +78,19 @@ class BandGroup:
     c: int
     w: int
     b: int
-    fmask: Tensor | None = None  # [1, 1, b, w*b] additive mask in q's dtype (None: no mask)
-    dead: Tensor | None = None  # [1, 1, b] rows that see no key (lse must be -inf)
-    ready: bool = False
+    # (device, dtype) -> (additive mask [1, 1, b, w*b] or None, rows without keys [1, 1, b]
+    # or None); evaluated once from the group's first row.
+    masks: dict[tuple[torch.device, torch.dtype], tuple[Tensor | None, Tensor | None]] = field(
+        default_factory=dict
+    )
+
+
+@dataclass
+class Schedule:
+    """Per query block its pieces (empty where a band group computes it), and the groups."""
+
+    rows: list[list[Piece]]
+    groups: list[BandGroup]
 
 
 # A segment is one mask-free fused call: queries [q0, q1) against keys [k0, k1), causal
@@ -94,9 +105,7 @@ class Job:
     p: Problem
     fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
     segments: list[Segment]  # mask-free fused calls covering the problem (else empty)
-    groups: list[BandGroup]  # batched runs of identical band rows (fused only)
-    bm: BlockMask | None
-    rows: list[list[Piece]]  # per query block, its pieces (empty where a group covers it)
+    fwd: Schedule  # what the forward computes (pieces and band groups)
     mask_src: Any  # None, a 4-D bool tensor, or a mask_mod
     bias: Tensor | None  # 4-D float bias
     score_mod: Any  # callable or None
@@ -107,29 +116,43 @@ class Job:
     # output and its score input (under autograd), True if the output depends on a learnable
     # tensor the engine does not know about (see blocksparse.py).
     hidden_check: Callable[[Tensor, Tensor], bool] | None = None
-    # The forward may use its own, finer schedule (band masks: see make_job); None = the same.
-    fwd_rows: list[list[Piece]] | None = None
-    fwd_groups: list[BandGroup] | None = None
+    # The backward's schedule when it differs from the forward's (band masks: see make_job),
+    # built on first use.
+    bwd_build: Callable[[], Schedule] | None = None
+    _bwd: Schedule | None = None
+
+    @property
+    def bwd(self) -> Schedule:
+        if self.bwd_build is None:
+            return self.fwd
+        if self._bwd is None:
+            self._bwd = self.bwd_build()
+        return self._bwd
 
     # -- masks -------------------------------------------------------------------------
 
-    def group_mask(self, g: BandGroup, device: torch.device, dtype: torch.dtype) -> None:
-        """Evaluate a band group's shared mask once (from its first row)."""
-        if g.ready:
-            return
+    def group_mask(
+        self, g: BandGroup, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """A band group's shared additive mask and its rows without keys, evaluated once
+        (from the group's first row) per device and dtype."""
+        got = g.masks.get((device, dtype))
+        if got is not None:
+            return got
         span = g.w * g.b
         q0, k0 = g.i0 * g.b, (g.i0 + g.c) * g.b
         b, h, qi, _ = index_tensors(1, 1, (q0, q0 + g.b), (0, 0), device)
         ki = torch.arange(k0, k0 + span, device=device).view(1, 1, 1, -1)  # [1, 1, 1, span]
         m = check_mask_result(self.mask_src(b, h, qi, ki), self.mask_src, (1, 1, g.b, span))
         m = m.expand(1, 1, g.b, span)
+        fmask, dead = None, None
         if not bool(m.all()):
-            g.fmask = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(
-                ~m, float("-inf")
-            )
-            dead = ~m.any(dim=-1)  # [1, 1, b]
-            g.dead = dead if bool(dead.any()) else None
-        g.ready = True
+            fmask = torch.zeros(m.shape, dtype=dtype, device=device)
+            fmask = fmask.masked_fill(~m, float("-inf"))
+            rows_dead = ~m.any(dim=-1)  # [1, 1, b]
+            dead = rows_dead if bool(rows_dead.any()) else None
+        g.masks[(device, dtype)] = (fmask, dead)
+        return fmask, dead
 
     def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
         """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the
@@ -296,8 +319,8 @@ def fused_ok(p: Problem) -> str | None:
 def make_job(
     p: Problem, *, block_size: int | tuple[int, int] | None = None, matmul: bool = False
 ) -> Job:
-    """Plan one call: the block mask (built once, cached on the problem), the pieces, and
-    the kernel family (``matmul=True`` forces explicit matmuls)."""
+    """Plan one call: the block mask (built once, cached on the problem or the block mask),
+    the pieces, and the kernel family (``matmul=True`` forces explicit matmuls)."""
     fused = fused_ok(p) is None and not matmul
     bias = p.score_mod if isinstance(p.score_mod, Tensor) else None
     score_mod = p.score_mod if callable(p.score_mod) and bias is None else None
@@ -307,36 +330,62 @@ def make_job(
     if fused and bias is None and p.Lk > 0:
         segments = _segments(p, mask_src)
         if segments:
-            return Job(p, True, segments, [], None, [], None, None, None, seed, (1, 1))
+            empty = Schedule([], [])
+            return Job(p, True, segments, empty, None, None, None, seed, (1, 1))
+    band = (
+        fused
+        and bias is None
+        and isinstance(mask_src, _Band)
+        and p.Hq == p.Hkv
+        and not isinstance(mask, BlockMask)
+        and block_size is None
+    )
+    if band:
+        # Band masks depend on (lo, hi, lengths) only: their plans are cached by value, so a
+        # model calling sliding_window(w) in every layer plans once. Measured
+        # (benchmarks/RESULTS.md): the fused forward kernel runs a 256-wide window fastest
+        # with 32-row blocks (less of each tile is masked off) while its backward prefers
+        # 128; both are exact with the global out and lse, so each takes its own blocks.
+        assert isinstance(mask_src, _Band)
+        fwd = _band_schedule(mask_src, p, _FWD_BAND_BLOCK)
+        job = Job(p, True, [], fwd, mask_src, None, None, seed, (1, 1))
+        job.bwd_build = functools.partial(_band_schedule, mask_src, p, DEFAULT_BLOCK)
+        return job
     bm = for_problem(p, block_size)
     if bm is None:  # no mask: one all-full plan
         bm = block_mask(_all_true, None, None, p.Lq, p.Lk, block_size=block_size)
         mask_src = None
     bq, bk = bm.block_size
     md = (bm.states.shape[0], bm.states.shape[1])
-    if fused:
-        per_key = bq * md[0] * md[1]
-        if bias is not None:
-            per_key = bq * p.B * p.Hq
-    else:
-        per_key = bq * p.B * p.Hq
+    per_key = bq * (md[0] * md[1] if fused and bias is None else p.B * p.Hq)
     max_span = max(1, _PIECE_BUDGET // max(1, per_key))
-    rows = _pieces(bm, max_span)
-    job = Job(p, fused, [], [], bm, rows, mask_src, bias, score_mod, seed, md)
-    band = isinstance(mask_src, _Band) or (mask_src is None)
-    if fused and bias is None and band and md == (1, 1) and p.Hq == p.Hkv and bq == bk:
-        job.groups = _band_groups(rows, bq, _max_group(p, bq))
-        if not isinstance(mask, BlockMask) and mask_src is not None and bq > _FWD_BAND_BLOCK:
-            # Measured (benchmarks/RESULTS.md): the fused forward kernel runs a 256-wide
-            # window fastest with 32-row blocks (less of each tile is masked off), while
-            # its backward prefers 128. Both are exact with the global out and lse, so
-            # the forward takes its own, finer schedule.
-            fbm = block_mask(mask_src, None, None, p.Lq, p.Lk, block_size=_FWD_BAND_BLOCK)
-            job.fwd_rows = _pieces(fbm, max_span)
-            job.fwd_groups = _band_groups(
-                job.fwd_rows, _FWD_BAND_BLOCK, _max_group(p, _FWD_BAND_BLOCK)
-            )
-    return job
+    grouped = fused and bias is None and isinstance(mask_src, _Band) and md == (1, 1)
+    grouped = grouped and p.Hq == p.Hkv and bq == bk
+    sched = _schedule(bm, max_span, bq if grouped else 0, _max_group(p, bq))
+    return Job(p, fused, [], sched, mask_src, bias, score_mod, seed, md)
+
+
+def _schedule(bm: BlockMask, max_span: int, group_b: int, max_n: int) -> Schedule:
+    """Pieces (and band groups of ``group_b`` blocks, if not 0) of a block mask, cached on
+    it: a block mask reused across calls and layers is scheduled once."""
+    cache = bm.__dict__.setdefault("_qkv_schedules", {})
+    key = (max_span, group_b, max_n)
+    if key not in cache:
+        rows = _pieces(bm, max_span)
+        groups = _band_groups(rows, group_b, max_n) if group_b else []
+        cache[key] = Schedule(rows, groups)
+    return cache[key]
+
+
+def _band_schedule(mask: _Band, p: Problem, b: int) -> Schedule:
+    bm = _band_block_mask(mask.lo, mask.hi, p.Lq, p.Lk, b)
+    max_span = max(1, _PIECE_BUDGET // b)
+    return _schedule(bm, max_span, b, _max_group(p, b))
+
+
+@functools.lru_cache(maxsize=32)
+def _band_block_mask(lo: int | None, hi: int | None, Lq: int, Lk: int, b: int) -> BlockMask:
+    return block_mask(_Band(lo, hi, f"band [{lo}, {hi}]"), None, None, Lq, Lk, block_size=b)
 
 
 _FWD_BAND_BLOCK = 32

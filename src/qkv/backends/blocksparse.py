@@ -271,7 +271,7 @@ def _checkpointed(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
     p = job.p
     job.fused = False
     outs: list[tuple[int, int, Tensor, Tensor]] = []
-    for pieces in job.rows:
+    for pieces in job.fwd.rows:
         if not pieces:
             continue
         q0, q1 = pieces[0].q0, pieces[0].q1
