@@ -347,7 +347,7 @@ def make_job(
         # with 32-row blocks (less of each tile is masked off) while its backward prefers
         # 128; both are exact with the global out and lse, so each takes its own blocks.
         assert isinstance(mask_src, _Band)
-        fwd = _band_schedule(mask_src, p, _FWD_BAND_BLOCK)
+        fwd = _band_schedule(mask_src, p, _FWD_BAND_BLOCK, fwd_only=True)
         job = Job(p, True, [], fwd, mask_src, None, None, seed, (1, 1))
         job.bwd_build = functools.partial(_band_schedule, mask_src, p, DEFAULT_BLOCK)
         return job
@@ -361,26 +361,28 @@ def make_job(
     max_span = max(1, _PIECE_BUDGET // max(1, per_key))
     grouped = fused and bias is None and isinstance(mask_src, _Band) and md == (1, 1)
     grouped = grouped and p.Hq == p.Hkv and bq == bk
-    sched = _schedule(bm, max_span, bq if grouped else 0, _max_group(p, bq))
+    sched = _schedule(bm, max_span, bq if grouped else 0, _row_elems(p))
     return Job(p, fused, [], sched, mask_src, bias, score_mod, seed, md)
 
 
-def _schedule(bm: BlockMask, max_span: int, group_b: int, max_n: int) -> Schedule:
+def _schedule(
+    bm: BlockMask, max_span: int, group_b: int, row_elems: int, *, fwd_only: bool = False
+) -> Schedule:
     """Pieces (and band groups of ``group_b`` blocks, if not 0) of a block mask, cached on
     it: a block mask reused across calls and layers is scheduled once."""
     cache = bm.__dict__.setdefault("_qkv_schedules", {})
-    key = (max_span, group_b, max_n)
+    key = (max_span, group_b, row_elems, fwd_only)
     if key not in cache:
         rows = _pieces(bm, max_span)
-        groups = _band_groups(rows, group_b, max_n) if group_b else []
+        groups = _band_groups(rows, group_b, row_elems, fwd_only) if group_b else []
         cache[key] = Schedule(rows, groups)
     return cache[key]
 
 
-def _band_schedule(mask: _Band, p: Problem, b: int) -> Schedule:
+def _band_schedule(mask: _Band, p: Problem, b: int, *, fwd_only: bool = False) -> Schedule:
     bm = _band_block_mask(mask.lo, mask.hi, p.Lq, p.Lk, b)
     max_span = max(1, _PIECE_BUDGET // b)
-    return _schedule(bm, max_span, b, _max_group(p, b))
+    return _schedule(bm, max_span, b, _row_elems(p), fwd_only=fwd_only)
 
 
 @functools.lru_cache(maxsize=32)
@@ -391,9 +393,11 @@ def _band_block_mask(lo: int | None, hi: int | None, Lq: int, Lk: int, b: int) -
 _FWD_BAND_BLOCK = 32
 
 
-def _max_group(p: Problem, b: int) -> int:
-    """Query blocks per band-group call: bounds the kernel's output chunk to the budget."""
-    return max(2, _PIECE_BUDGET // (p.B * p.Hq * b * max(p.D, p.Dv)))
+def _row_elems(p: Problem) -> int:
+    """Elements per (query or key) position across batch and heads, at the fused kernel's
+    padded head dim: band-group calls are sized by it so that a call's largest output (the
+    overlapping key-window gradients, in the backward) stays within ``_PIECE_BUDGET``."""
+    return p.B * p.Hq * max(p.D, p.Dv, 1)
 
 
 def _segments(p: Problem, mask: Any) -> list[Segment]:
@@ -426,7 +430,9 @@ def _segments(p: Problem, mask: Any) -> list[Segment]:
     return [(a, b, a, b, causal) for a, b in zip(starts, ends, strict=True)]
 
 
-def _band_groups(rows: list[list[Piece]], b: int, max_n: int) -> list[BandGroup]:
+def _band_groups(
+    rows: list[list[Piece]], b: int, row_elems: int, fwd_only: bool = False
+) -> list[BandGroup]:
     """Batch consecutive query blocks whose pieces are the same band pattern shifted by one
     block each; their entries in ``rows`` are emptied (the group computes them)."""
     groups: list[BandGroup] = []
@@ -445,6 +451,10 @@ def _band_groups(rows: list[list[Piece]], b: int, max_n: int) -> list[BandGroup]
     while i < len(rows):
         kk = key(i)
         j = i + 1
+        # A call's biggest buffer: n blocks of output in the forward, n windows of w*b keys
+        # in the backward (its dk and dv).
+        width = b if fwd_only or kk is None else kk[1] * b
+        max_n = max(2, _PIECE_BUDGET // (row_elems * width))
         while kk is not None and j < len(rows) and j - i < max_n and key(j) == kk:
             j += 1
         if kk is not None and j - i >= 2:
