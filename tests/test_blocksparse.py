@@ -275,6 +275,26 @@ def test_band_masks_batched_along_the_band(check, L, window, dtype):
     check(with_lse, q, k, v, mask=mask)
 
 
+@pytest.mark.parametrize("L", [(100, 100), (7, 113), (113, 7), (150, 200)], ids=str)
+@pytest.mark.parametrize("P", [0, 1, 50, 300])
+def test_prefix_lm_as_mask_free_segments(check, L, P):
+    """prefix_lm runs as mask-free fused calls (prefix rows; later rows against the prefix
+    and, causally, the rest, merged by lse), forward, lse and gradients."""
+    q, k, v = _qkv(Lq=L[0], Lk=L[1])
+    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=qkv.prefix_lm(P)))
+    assert job.segments and not job.fwd.rows
+    check(with_lse, q, k, v, mask=qkv.prefix_lm(P))
+
+
+@pytest.mark.parametrize("mask", ["document", "causal_document"])
+def test_sorted_documents_as_mask_free_segments(check, mask):
+    q, k, v = _qkv(Lq=300, Lk=300)
+    m = _mask(mask, 2, 300, 300, torch.Generator().manual_seed(4))
+    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=m))
+    assert len(job.segments) >= 2 and not job.fwd.rows
+    check(with_lse, q, k, v, mask=m)
+
+
 # ------------------------------------------------------------- score_mod-captured gradients
 
 

@@ -214,10 +214,19 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     out = q.new_empty(B, Hq, Lq, Dv)
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)
     written = torch.zeros(Lq, dtype=torch.bool)
-    for q0, q1, k0, k1, causal in job.segments:
+    acc: tuple[Tensor, Tensor] | None = None
+    for i, (q0, q1, k0, k1, causal) in enumerate(job.segments):
         o, l_ = _flash_cpu(
             q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=p.scale
         )
+        nxt = job.segments[i + 1] if i + 1 < len(job.segments) else None
+        if acc is not None or (nxt is not None and nxt[:2] == (q0, q1)):
+            # Several segments over these rows: merge them in the compute dtype.
+            acc = merge(acc, (o.to(p.compute_dtype), l_.double()))
+            if nxt is not None and nxt[:2] == (q0, q1):
+                continue
+            o, l_ = acc
+            acc = None
         out[:, :, q0:q1] = o[..., :Dv]
         lse[:, :, q0:q1] = l_
         written[q0:q1] = True

@@ -20,7 +20,7 @@ import torch
 
 from .._validate import Problem, check_mask_result, check_score_result, index_tensors
 from ..blockmask import DEFAULT_BLOCK, BlockMask, block_mask, for_problem
-from ..masks import _And, _Band, _Document
+from ..masks import _And, _Band, _Document, _KvBelow, _Or
 
 Tensor = torch.Tensor
 
@@ -403,10 +403,24 @@ def _row_elems(p: Problem) -> int:
 def _segments(p: Problem, mask: Any) -> list[Segment]:
     """Mask-free fused calls that compute the problem exactly, if there are any: the whole
     problem for no mask or causal (the kernel's ``is_causal`` is top-left aligned, as
-    :data:`qkv.causal`), and one call per document for sorted document ids (optionally with
-    causal): documents are independent attention problems."""
+    :data:`qkv.causal`); one call per document for sorted document ids (optionally with
+    causal): documents are independent attention problems; and for ``prefix_lm(P)`` the
+    prefix rows against the prefix, then the later rows against the prefix and, causally,
+    against the rest (two calls over the same rows, merged by their lse). Segments over the
+    same rows are adjacent in the list."""
     if mask is None or _causal_like(mask):
         return [(0, p.Lq, 0, p.Lk, mask is not None)]
+    prefix = _prefix_length(mask)
+    if prefix is not None:
+        P = min(prefix, p.Lk)
+        if P == 0:
+            return [(0, p.Lq, 0, p.Lk, True)]
+        segs: list[Segment] = [(0, min(P, p.Lq), 0, P, False)]
+        if p.Lq > P:
+            segs.append((P, p.Lq, 0, P, False))
+            if p.Lk > P:  # rows r >= P see keys P..r: causal, top-left aligned at P
+                segs.append((P, p.Lq, P, p.Lk, True))
+        return segs
     if p.Lq != p.Lk:
         return []
     doc, causal = None, False
@@ -428,6 +442,18 @@ def _segments(p: Problem, mask: Any) -> list[Segment]:
         return []
     ends = [*starts[1:], p.Lq]
     return [(a, b, a, b, causal) for a, b in zip(starts, ends, strict=True)]
+
+
+def _prefix_length(mask: Any) -> int | None:
+    """``P`` if ``mask`` is ``prefix_lm(P)`` (``kv_idx < P`` or causal), else ``None``."""
+    if not isinstance(mask, _Or) or len(mask.mods) != 2:
+        return None
+    a, b = mask.mods
+    if _causal_like(b) and isinstance(a, _KvBelow) and isinstance(a.limit, int):
+        return a.limit
+    if _causal_like(a) and isinstance(b, _KvBelow) and isinstance(b.limit, int):
+        return b.limit
+    return None
 
 
 def _band_groups(

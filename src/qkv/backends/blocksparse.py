@@ -34,6 +34,7 @@ from ._blocksparse_job import (
     _PIECE_BUDGET,
     HiddenDependency,
     Job,
+    _prefix_length,
     _segments,
     fused_ok,
     make_job,
@@ -102,6 +103,11 @@ class BlocksparseBackend(Backend):
             segs = _segments(p, mask)
             if len(segs) == 1 and segs[0][:2] == (0, p.Lq):
                 return "torch's fused CPU flash kernel on the whole problem (it returns the lse)"
+            if segs and _prefix_length(mask) is not None:
+                return (
+                    f"torch's fused CPU flash kernel: prefix and causal parts ({len(segs)} "
+                    f"calls, merged by lse)"
+                )
             if segs:
                 return f"torch's fused CPU flash kernel once per document ({len(segs)} calls)"
             if isinstance(mask, _Band) and p.Hq == p.Hkv:
