@@ -295,6 +295,15 @@ def test_sorted_documents_as_mask_free_segments(check, mask):
     check(with_lse, q, k, v, mask=m)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "document", "prefix_lm", "dilated"])
+def test_float16_and_float64(check, dtype, mask):
+    q, k, v = _qkv(Lq=300, Lk=260, D=32, Dv=16, dtype=dtype)
+    m = _mask(mask, 2, 300, 260, torch.Generator().manual_seed(2))
+    check(with_lse, q, k, v, mask=m)
+    check(with_lse, q, k, v, mask=m, score_mod=qkv.softcap(5.0))
+
+
 # ------------------------------------------------------------- score_mod-captured gradients
 
 

@@ -12,6 +12,7 @@ pieces, the mask source, the score_mod or bias, dropout seeds, and which kernel 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -347,7 +348,11 @@ def make_job(
         # with 32-row blocks (less of each tile is masked off) while its backward prefers
         # 128; both are exact with the global out and lse, so each takes its own blocks.
         assert isinstance(mask_src, _Band)
-        fwd = _band_schedule(mask_src, p, _FWD_BAND_BLOCK, fwd_only=True)
+        # The finer forward grid has 16x the tiles; past ~16 M of them (n ~ 128 K) the
+        # int8 tile grid itself would cost more than it saves, so both use the default.
+        fine = -(-p.Lq // _FWD_BAND_BLOCK) * -(-p.Lk // _FWD_BAND_BLOCK) <= 1 << 24
+        b_fwd = _FWD_BAND_BLOCK if fine else DEFAULT_BLOCK
+        fwd = _band_schedule(mask_src, p, b_fwd, fwd_only=True)
         job = Job(p, True, [], fwd, mask_src, None, None, seed, (1, 1))
         job.bwd_build = functools.partial(_band_schedule, mask_src, p, DEFAULT_BLOCK)
         return job
@@ -385,9 +390,25 @@ def _band_schedule(mask: _Band, p: Problem, b: int, *, fwd_only: bool = False) -
     return _schedule(bm, max_span, b, _row_elems(p), fwd_only=fwd_only)
 
 
-@functools.lru_cache(maxsize=32)
+# Band plans cached by value: (lo, hi, Lq, Lk, b) -> BlockMask (its schedules cached on it).
+# Only small tile grids are kept (a grid is nq*nk bytes), and only the most recent few.
+_BAND_CACHE: OrderedDict[tuple[Any, ...], BlockMask] = OrderedDict()
+_BAND_CACHE_SIZE = 8
+_BAND_CACHE_CELLS = 1 << 22
+
+
 def _band_block_mask(lo: int | None, hi: int | None, Lq: int, Lk: int, b: int) -> BlockMask:
-    return block_mask(_Band(lo, hi, f"band [{lo}, {hi}]"), None, None, Lq, Lk, block_size=b)
+    key = (lo, hi, Lq, Lk, b)
+    bm = _BAND_CACHE.get(key)
+    if bm is not None:
+        _BAND_CACHE.move_to_end(key)
+        return bm
+    bm = block_mask(_Band(lo, hi, f"band [{lo}, {hi}]"), None, None, Lq, Lk, block_size=b)
+    if bm.states.numel() <= _BAND_CACHE_CELLS:
+        _BAND_CACHE[key] = bm
+        while len(_BAND_CACHE) > _BAND_CACHE_SIZE:
+            _BAND_CACHE.popitem(last=False)
+    return bm
 
 
 _FWD_BAND_BLOCK = 32
