@@ -3,8 +3,9 @@ through, with a backward that recomputes from the saved log-sum-exp (O(n) memory
 
 Three layers (STYLE.md rule 7): :class:`BlocksparseBackend` (what the planner sees) →
 :class:`_BlockSparseAttention` (the ``torch.autograd.Function``) → the piece kernels in
-``_blocksparse_fwd`` / ``_blocksparse_bwd``. Empty tiles are never touched; full tiles run
-with no masking; partial tiles evaluate the mask for themselves only.
+``_blocksparse_fwd`` / ``_blocksparse_bwd``, planned by ``_blocksparse_plan``. Empty tiles
+are never touched; full tiles run with no masking; partial tiles evaluate the mask for
+themselves only.
 
 Gradients reach a bias tensor and the tensors a callable score_mod closes over: those are
 found by looking into the score_mod (closure cells, attributes, ``functools.partial``
@@ -30,15 +31,8 @@ from ..masks import _Band
 from ._base import Backend
 from ._blocksparse_bwd import backward
 from ._blocksparse_fwd import forward, row_forward
-from ._blocksparse_job import (
-    _PIECE_BUDGET,
-    HiddenDependency,
-    Job,
-    _prefix_length,
-    _segments,
-    fused_ok,
-    make_job,
-)
+from ._blocksparse_job import HiddenDependency, Job, fused_ok
+from ._blocksparse_plan import _PIECE_BUDGET, _prefix_length, _segments, make_job
 
 Tensor = torch.Tensor
 
