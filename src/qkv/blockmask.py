@@ -441,9 +441,10 @@ def for_problem(p: Any, block_size: int | tuple[int, int] | None = None) -> Bloc
         return None
     if isinstance(m, BlockMask):
         return m
-    cached = p.__dict__.get("_qkv_block_mask")
-    if cached is not None:
-        return cached
-    bm = block_mask(m, p.B, p.Hq, p.Lq, p.Lk, block_size=block_size, device=p.device)
-    p.__dict__["_qkv_block_mask"] = bm
+    cache = p.__dict__.setdefault("_qkv_block_masks", {})
+    if block_size not in cache:
+        cache[block_size] = block_mask(
+            m, p.B, p.Hq, p.Lq, p.Lk, block_size=block_size, device=p.device
+        )
+    bm: BlockMask = cache[block_size]
     return bm
