@@ -472,6 +472,14 @@ def test_unbatched_inputs():
     torch.testing.assert_close(blocksparse(x3, x3, x3, mask=qkv.sliding_window(4)), out3)
 
 
+def test_double_backward_is_refused_not_wrong():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = blocksparse(q, k, v, mask=qkv.sliding_window(9))
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gq.sum().backward()
+
+
 # ----------------------------------------------------------------------------- dropout
 
 

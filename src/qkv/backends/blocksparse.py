@@ -23,6 +23,7 @@ import types
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from .._validate import Problem
@@ -51,6 +52,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the recomputing backward is not itself differentiable: say so
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
         job: Job = ctx.job
         q, k, v, out, lse = ctx.saved_tensors
