@@ -544,3 +544,11 @@ def test_read_checkpoint_needs_no_weights_read(minilm_path: Path) -> None:
     ck = _config.read_checkpoint(minilm_path)
     assert ck.weight_files == (minilm_path / "model.safetensors",)
     assert ck.pooling == _config.PoolingConfig(("mean",), True, 256, False)
+
+
+def test_listing_of_a_big_folder_is_capped(tmp_path: Path) -> None:
+    for i in range(40):
+        (tmp_path / f"f{i:02d}.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"contains: f00.txt, .*f11.txt and 28 more\.") as e:
+        qkv.models.load(tmp_path)
+    assert "f12.txt" not in str(e.value)

@@ -92,7 +92,11 @@ def _listing(folder: Path) -> str:
     if not folder.is_dir():
         return "nothing (the folder does not exist)"
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
-    return ", ".join(names) if names else "nothing"
+    if not names:
+        return "nothing"
+    shown = 12  # a big folder (say /tmp) must not turn the error into a wall of text
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _missing(folder: Path, name: str, why: str) -> FileNotFoundError:
