@@ -41,14 +41,14 @@ def test_auto_picks_sdpa_where_it_maps_directly(kw, heads):
     "kw,why",
     [
         ({"mask": qkv.sliding_window(16)}, "dense"),
-        ({"mask": qkv.document(torch.arange(256) // 100)}, "dense"),
+        ({"mask": qkv.document(torch.arange(512) // 100)}, "dense"),
         ({"mask": lambda b, h, q, k: (q - k) % 2 == 0}, "dense"),
-        ({"mask": torch.rand(256, 256) > 0.5}, "dense"),
-        ({"mask": qkv.block_mask(qkv.causal, 1, 4, 256, 256)}, "dense"),
+        ({"mask": torch.rand(512, 512) > 0.5}, "dense"),
+        ({"mask": qkv.block_mask(qkv.causal, 1, 8, 512, 512)}, "dense"),
         ({"return_lse": True}, "log-sum-exp"),
         ({"mask": qkv.causal, "return_lse": True}, "log-sum-exp"),
         ({"score_mod": qkv.softcap(20.0)}, "score_mod"),
-        ({"score_mod": qkv.alibi(qkv.alibi_slopes(4)), "mask": qkv.causal}, "score_mod"),
+        ({"score_mod": qkv.alibi(qkv.alibi_slopes(8)), "mask": qkv.causal}, "score_mod"),
     ],
     ids=[
         "window",
@@ -63,7 +63,7 @@ def test_auto_picks_sdpa_where_it_maps_directly(kw, heads):
     ],
 )
 def test_auto_picks_blocksparse_otherwise(kw, why):
-    q, k, v = _x()
+    q, k, v = _x(Hq=8, Hkv=8, Lq=512, Lk=512)  # 2 M scores: above the small-problem cutoff
     plan = qkv.plan(q, k, v, **kw)
     assert plan.backend == "blocksparse"
     assert why in plan.rejected["sdpa"]
@@ -72,6 +72,20 @@ def test_auto_picks_blocksparse_otherwise(kw, why):
     out = out[0] if isinstance(out, tuple) else out
     ref, _ = qkv.reference.attention(q, k, v, mask=kw.get("mask"), score_mod=kw.get("score_mod"))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [qkv.sliding_window(16), lambda b, h, i, j: (i - j) % 2 == 0, torch.rand(64, 64) > 0.5],
+    ids=["window", "mask_mod", "bool"],
+)
+def test_small_masked_problems_go_to_sdpa(mask):
+    """Below ~1 M scores SDPA's one dense call beats planning tiles (measured)."""
+    q, k, v = _x(Hq=4, Hkv=4, Lq=64, Lk=64)
+    assert qkv.plan(q, k, v, mask=mask).backend == "sdpa"
+    assert qkv.plan(q, k, v, mask=mask, return_lse=True).backend == "blocksparse"
+    ref, _ = qkv.reference.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=mask), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_plan_explains_itself():
@@ -138,7 +152,9 @@ def test_named_backends():
     plan = qkv.plan(q, k, v, backend="blocksparse", mask=lambda b, h, i, j: i % 3 != j % 2)
     assert "per query block, visible key blocks only" in plan.kernel
     ids = torch.arange(256) // 64
-    plan = qkv.plan(q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)))
+    plan = qkv.plan(
+        q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)), backend="blocksparse"
+    )
     assert "once per document (4 calls)" in plan.kernel
     plan = qkv.plan(q, k, v, backend="blocksparse", score_mod=qkv.softcap(5.0))
     assert "explicit matmuls" in plan.kernel

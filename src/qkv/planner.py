@@ -72,9 +72,17 @@ def _check_backend_name(name: object) -> str:
     return name
 
 
+# Below this many scores (B*Hq*Lq*Lk) a masked problem goes to SDPA with a dense mask: its
+# one fused call beats planning tiles (measured, benchmarks/RESULTS.md: H=8, window 64,
+# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
+# n = 512 and more beyond).
+_SMALL_DENSE = 1 << 20
+
+
 def _auto_skip(name: str, p: Problem) -> str | None:
     """Why ``auto`` passes over a backend that could compute ``p`` but not well."""
-    if name == "sdpa" and p.mask is not None and p.mask is not causal:
+    masked = p.mask is not None and p.mask is not causal
+    if name == "sdpa" and masked and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
         return (
             "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
             "blocksparse skips the hidden blocks"
