@@ -138,6 +138,7 @@ def stats_of_problem(
         row_z[:, :, q0:q1] = z
         # H = -Σ w log w with w = e / Z  =  -Σ e log e / Z + log Z
         ent = -e_log_e * inv_z[..., 0] + torch.where(seen, z, 1.0).log()[..., 0]
+        ent = ent.clamp_min(0.0)  # H >= 0; rounding can leave -1e-15 for a one-key row
         entropy[:, :, q0:q1] = torch.where(seen[..., 0], ent, 0.0)
         for j, k0 in enumerate(range(0, Lk, block_k)):
             k1 = min(k0 + block_k, Lk)
