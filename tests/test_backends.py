@@ -176,7 +176,7 @@ def run_case(case: Case, backend: str) -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_backend_matches_oracle(case: Case, backend: str) -> None:
     run_case(case, backend)
