@@ -29,6 +29,19 @@ def test_readme_python_block_runs(index):
     exec(compile(readme_blocks()[index], f"README.md[block {index}]", "exec"), {})
 
 
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_docs_pages_run_in_order(page):
+    """Each docs/ page is one story: its blocks run in order in one namespace."""
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert blocks, f"{page.name} has no runnable example"
+    ns: dict[str, object] = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{page.name}[block {i}]", "exec"), ns)
+
+
 def _modules():
     names = ["qkv"]
     for m in pkgutil.walk_packages(qkv.__path__, "qkv."):
