@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._blocksparse_fwd import float_mask, fold, pad_last, strided_blocks, unfold
-from ._blocksparse_job import BandGroup, Job, Piece
+from ._blocksparse_job import BandGroup, Job, KeyBandGroup, Piece
 
 Tensor = torch.Tensor
 
@@ -118,9 +118,11 @@ def _fused_backward(
         g.dk[:, :, k0:k1] += dk[..., :D]
         g.dv[:, :, k0:k1] += dv[..., :Dv]
     sched = job.bwd
-    if sched.groups:
+    if sched.groups or sched.key_groups:
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
+        for kgrp in sched.key_groups:
+            _key_group_backward(job, kgrp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
         for grp in sched.groups:
             _group_backward(job, grp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
     for pieces in sched.rows:
@@ -181,6 +183,45 @@ def _group_backward(
         sl = slice(t * b, (t + 1) * b)
         strided_blocks(g.dk, first_k + t * b, n, b, b).add_(dk[:, :, sl, :D])
         strided_blocks(g.dv, first_k + t * b, n, b, b).add_(dv[:, :, sl, :Dv])
+
+
+def _key_group_backward(
+    job: Job,
+    grp: KeyBandGroup,
+    g: Grads,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    D: int,
+    Dv: int,
+) -> None:
+    """One key-major group's backward in a single fused call: each key block against its
+    window of query rows. Its key blocks' dk and dv come out complete (nothing else in the
+    schedule touches those keys); the windows' dq overlap and are added back one query-block
+    offset at a time."""
+    p = job.p
+    fmask = job.key_group_mask(grp, q.device, q.dtype)
+    b, n, rows = grp.b, grp.n, grp.w * grp.b
+    first_k, first_q = grp.j0 * b, (grp.j0 + grp.c) * b
+    dq, dk, dv = _flash_cpu_bwd(
+        strided_blocks(dout, first_q, n, rows, b),
+        strided_blocks(q, first_q, n, rows, b),
+        strided_blocks(k, first_k, n, b, b),
+        strided_blocks(v, first_k, n, b, b),
+        strided_blocks(out, first_q, n, rows, b),
+        strided_blocks(lse.unsqueeze(-1), first_q, n, rows, b).squeeze(-1),
+        0.0,
+        False,
+        attn_mask=fmask,
+        scale=p.scale,
+    )  # [B*H, n, rows|b, Dm]
+    strided_blocks(g.dk, first_k, n, b, b).copy_(dk[..., :D])
+    strided_blocks(g.dv, first_k, n, b, b).copy_(dv[..., :Dv])
+    for t in range(grp.w):
+        strided_blocks(g.dq, first_q + t * b, n, b, b).add_(dq[:, :, t * b : (t + 1) * b, :D])
 
 
 def _matmul_backward(
