@@ -282,7 +282,8 @@ def _tiles(sched: Any, b: int) -> list[tuple[int, int]]:
     for row in sched.rows:
         for pc in row:
             for k0, k1 in pc.runs:
-                out += [(pc.q0 // b, j) for j in range(k0 // b, -(-k1 // b))]
+                for i in range(pc.q0 // b, -(-pc.q1 // b)):
+                    out += [(i, j) for j in range(k0 // b, -(-k1 // b))]
     for g in sched.key_groups:
         for j in range(g.j0, g.j0 + g.n):
             out += [(i, j) for i in range(j + g.c, j + g.c + g.w)]
@@ -294,9 +295,9 @@ def _tiles(sched: Any, b: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("prebuilt", [False, True], ids=["mask_mod", "block_mask"])
 def test_band_backward_runs_key_major(check, L, window, prebuilt):
     """Band masks' backward runs key-major groups (each key block against its window of
-    query rows: dk, dv complete, dq windows folded back) and pieces for the band's ends:
-    every visible tile exactly once. Gradients through out and through the lse match the
-    oracle."""
+    query rows: dk, dv complete, dq windows folded back) and pieces for the band's ends
+    (merged into few calls): every visible tile exactly once. Gradients through out and
+    through the lse match the oracle."""
     q, k, v = _qkv(B=1, Hq=2, Hkv=2, Lq=L[0], Lk=L[1], D=16, Dv=8)
     mask: Any = qkv.sliding_window(*window)
     if prebuilt:
@@ -309,7 +310,10 @@ def test_band_backward_runs_key_major(check, L, window, prebuilt):
     # query blocks, so every tile is a piece there.
     assert bool(job.bwd.key_groups) == (L != (700, 900) or window != (300, 200))
     assert not job.bwd.groups
-    assert sorted(_tiles(job.bwd, b)) == want
+    got = _tiles(job.bwd, b)
+    # Every visible tile exactly once (a merged piece at the band's ends may also span a few
+    # hidden tiles, which its mask then hides).
+    assert len(got) == len(set(got)) and set(want) <= set(got)
     check(with_lse, q, k, v, mask=mask)
     w = torch.randn(1, 2, L[0], generator=torch.Generator().manual_seed(3))
     grads = []

@@ -122,7 +122,7 @@ def make_job(
         b_fwd = _FWD_BAND_BLOCK if fine else DEFAULT_BLOCK
         fwd = _band_schedule(mask_src, p, b_fwd, fwd_only=True)
         job = Job(p, True, [], fwd, mask_src, None, None, seed, (1, 1))
-        job.bwd_build = functools.partial(_band_bwd_schedule, mask_src, p, DEFAULT_BLOCK)
+        job.bwd_build = functools.partial(_band_bwd_schedule, mask_src, p, _BWD_BAND_BLOCK)
         return job
     bm = for_problem(p, block_size)
     if bm is None:  # no mask: one all-full plan
@@ -151,7 +151,7 @@ def _schedule(
     if key not in cache:
         rows = _pieces(bm, max_span)
         groups = _band_groups(rows, group_b, row_elems, fwd_only) if group_b else []
-        cache[key] = Schedule(rows, groups)
+        cache[key] = Schedule(_merge_ends(rows) if group_b else rows, groups)
     return cache[key]
 
 
@@ -175,8 +175,46 @@ def _key_schedule(bm: BlockMask, max_span: int, b: int, row_elems: int) -> Sched
     if key not in cache:
         groups = _key_groups(bm, b, row_elems)
         covered = frozenset(j for g in groups for j in range(g.j0, g.j0 + g.n))
-        cache[key] = Schedule(_pieces(bm, max_span, covered), [], groups)
+        cache[key] = Schedule(_merge_ends(_pieces(bm, max_span, covered)), [], groups)
     return cache[key]
+
+
+def _merge_ends(rows: list[list[Piece]]) -> list[list[Piece]]:
+    """A band's ends, one fused call each: consecutive query blocks that are one piece over
+    one key range each are merged into one piece over the union of their keys (the mask then
+    evaluated on all of it) while that at most doubles the work. The ends of a 256-wide
+    window are 8 blocks of 32 rows forward, 2 of 128 backward; one call per block cost
+    ~0.2-0.4 ms each in kernel and Python overhead, several times their arithmetic."""
+    out = [list(r) for r in rows]
+
+    def single(i: int) -> bool:
+        return len(out[i]) == 1 and len(out[i][0].runs) == 1
+
+    i = 0
+    while i < len(out):
+        if not single(i):
+            i += 1
+            continue
+        first = out[i][0]
+        (k0, k1), area, q1 = first.runs[0], (first.q1 - first.q0) * first.span, first.q1
+        j = i + 1
+        while j < len(out) and single(j) and out[j][0].q0 == q1:
+            a0, a1 = out[j][0].runs[0]
+            if a0 > k1 or a1 < k0:
+                break  # the union would not be one range
+            n0, n1 = min(k0, a0), max(k1, a1)
+            more = area + (out[j][0].q1 - q1) * out[j][0].span
+            merged = (out[j][0].q1 - first.q0) * (n1 - n0)
+            if merged > 2 * more or merged > _PIECE_BUDGET:
+                break
+            k0, k1, area, q1 = n0, n1, more, out[j][0].q1
+            j += 1
+        if j - i >= 2:
+            out[i] = [Piece(first.q0, q1, [(k0, k1)], [(0, k0, k1)], seed=first.seed)]
+            for r in range(i + 1, j):
+                out[r] = []
+        i = j
+    return out
 
 
 # Elements of a key-major group's largest kernel output (its overlapping dq windows): small
@@ -243,6 +281,7 @@ def _band_block_mask(lo: int | None, hi: int | None, Lq: int, Lk: int, b: int) -
 
 
 _FWD_BAND_BLOCK = 32
+_BWD_BAND_BLOCK = DEFAULT_BLOCK
 
 
 def _row_elems(p: Problem) -> int:
