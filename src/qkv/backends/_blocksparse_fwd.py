@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _hugepages
 from ._blocksparse_job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
@@ -212,7 +211,7 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return out[..., :Dv], lse.double()
     rows, groups = job.fwd.rows, job.fwd.groups
     # Rows that nothing writes see no key: output 0 (filled below), lse -inf.
-    out = _hugepages.empty((B, Hq, Lq, Dv), q)
+    out = q.new_empty(B, Hq, Lq, Dv)
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)
     written = torch.zeros(Lq, dtype=torch.bool)
     acc: tuple[Tensor, Tensor] | None = None
