@@ -30,11 +30,31 @@ _flash_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_back
 class Grads:
     """Gradient accumulators in the compute dtype."""
 
-    def __init__(self, job: Job, q: Tensor, k: Tensor, v: Tensor, need: list[bool]) -> None:
+    def __init__(
+        self,
+        job: Job,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        need: list[bool],
+        written: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        """``written``: key ranges whose dk and dv the caller will write (not add) in full;
+        only the other keys are zero-filled."""
         cdt = job.p.compute_dtype
         self.dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        self.dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-        self.dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+        if written:
+            self.dk = torch.empty(k.shape, dtype=cdt, device=k.device)
+            self.dv = torch.empty(v.shape, dtype=cdt, device=v.device)
+            at = 0
+            for k0, k1 in [*written, (k.shape[2], k.shape[2])]:
+                if k0 > at:
+                    self.dk[:, :, at:k0].zero_()
+                    self.dv[:, :, at:k0].zero_()
+                at = max(at, k1)
+        else:
+            self.dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+            self.dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
         b = job.bias
         self.dbias = (
             torch.zeros(b.shape, dtype=cdt, device=b.device) if b is not None and need[3] else None
@@ -91,7 +111,11 @@ def _fused_backward(
     D, Dv = p.D, p.Dv
     kdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse dtype
     lse_k = _lse_for_bwd(lse).to(kdt)
-    g = Grads(job, q, k, v, need)
+    sched = job.bwd
+    written: list[tuple[int, int]] = []
+    if not job.segments and not sched.groups:  # key-major groups write their keys' dk, dv
+        written = [(kg.j0 * kg.b, (kg.j0 + kg.n) * kg.b) for kg in sched.key_groups]
+    g = Grads(job, q, k, v, need, tuple(sorted(written)))
     dout = dout.to(q.dtype)
     out = out.to(q.dtype)
     if dlse is not None:
@@ -117,7 +141,6 @@ def _fused_backward(
         g.dq[:, :, q0:q1] += dq[..., :D]
         g.dk[:, :, k0:k1] += dk[..., :D]
         g.dv[:, :, k0:k1] += dv[..., :Dv]
-    sched = job.bwd
     if sched.groups or sched.key_groups:
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
