@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._blocksparse_fwd import float_mask, fold, pad_last, strided_blocks, unfold
-from ._blocksparse_job import BandGroup, Job, Piece
+from ._blocksparse_job import BandGroup, Job, KeyBandGroup, Piece
 
 Tensor = torch.Tensor
 
@@ -30,11 +30,31 @@ _flash_cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_back
 class Grads:
     """Gradient accumulators in the compute dtype."""
 
-    def __init__(self, job: Job, q: Tensor, k: Tensor, v: Tensor, need: list[bool]) -> None:
+    def __init__(
+        self,
+        job: Job,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        need: list[bool],
+        written: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        """``written``: key ranges whose dk and dv the caller will write (not add) in full;
+        only the other keys are zero-filled."""
         cdt = job.p.compute_dtype
         self.dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
-        self.dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-        self.dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+        if written:
+            self.dk = torch.empty(k.shape, dtype=cdt, device=k.device)
+            self.dv = torch.empty(v.shape, dtype=cdt, device=v.device)
+            at = 0
+            for k0, k1 in [*written, (k.shape[2], k.shape[2])]:
+                if k0 > at:
+                    self.dk[:, :, at:k0].zero_()
+                    self.dv[:, :, at:k0].zero_()
+                at = max(at, k1)
+        else:
+            self.dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+            self.dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
         b = job.bias
         self.dbias = (
             torch.zeros(b.shape, dtype=cdt, device=b.device) if b is not None and need[3] else None
@@ -91,7 +111,11 @@ def _fused_backward(
     D, Dv = p.D, p.Dv
     kdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse dtype
     lse_k = _lse_for_bwd(lse).to(kdt)
-    g = Grads(job, q, k, v, need)
+    sched = job.bwd
+    written: list[tuple[int, int]] = []
+    if not job.segments and not sched.groups:  # key-major groups write their keys' dk, dv
+        written = [(kg.j0 * kg.b, (kg.j0 + kg.n) * kg.b) for kg in sched.key_groups]
+    g = Grads(job, q, k, v, need, tuple(sorted(written)))
     dout = dout.to(q.dtype)
     out = out.to(q.dtype)
     if dlse is not None:
@@ -117,10 +141,11 @@ def _fused_backward(
         g.dq[:, :, q0:q1] += dq[..., :D]
         g.dk[:, :, k0:k1] += dk[..., :D]
         g.dv[:, :, k0:k1] += dv[..., :Dv]
-    sched = job.bwd
-    if sched.groups:
+    if sched.groups or sched.key_groups:
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
+        for kgrp in sched.key_groups:
+            _key_group_backward(job, kgrp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
         for grp in sched.groups:
             _group_backward(job, grp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
     for pieces in sched.rows:
@@ -181,6 +206,45 @@ def _group_backward(
         sl = slice(t * b, (t + 1) * b)
         strided_blocks(g.dk, first_k + t * b, n, b, b).add_(dk[:, :, sl, :D])
         strided_blocks(g.dv, first_k + t * b, n, b, b).add_(dv[:, :, sl, :Dv])
+
+
+def _key_group_backward(
+    job: Job,
+    grp: KeyBandGroup,
+    g: Grads,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    D: int,
+    Dv: int,
+) -> None:
+    """One key-major group's backward in a single fused call: each key block against its
+    window of query rows. Its key blocks' dk and dv come out complete (nothing else in the
+    schedule touches those keys); the windows' dq overlap and are added back one query-block
+    offset at a time."""
+    p = job.p
+    fmask = job.key_group_mask(grp, q.device, q.dtype)
+    b, n, rows = grp.b, grp.n, grp.w * grp.b
+    first_k, first_q = grp.j0 * b, (grp.j0 + grp.c) * b
+    dq, dk, dv = _flash_cpu_bwd(
+        strided_blocks(dout, first_q, n, rows, b),
+        strided_blocks(q, first_q, n, rows, b),
+        strided_blocks(k, first_k, n, b, b),
+        strided_blocks(v, first_k, n, b, b),
+        strided_blocks(out, first_q, n, rows, b),
+        strided_blocks(lse.unsqueeze(-1), first_q, n, rows, b).squeeze(-1),
+        0.0,
+        False,
+        attn_mask=fmask,
+        scale=p.scale,
+    )  # [B*H, n, rows|b, Dm]
+    strided_blocks(g.dk, first_k, n, b, b).copy_(dk[..., :D])
+    strided_blocks(g.dv, first_k, n, b, b).copy_(dv[..., :Dv])
+    for t in range(grp.w):
+        strided_blocks(g.dq, first_q + t * b, n, b, b).add_(dq[:, :, t * b : (t + 1) * b, :D])
 
 
 def _matmul_backward(

@@ -76,11 +76,35 @@ class BandGroup:
 
 
 @dataclass
+class KeyBandGroup:
+    """Key blocks ``j0 .. j0+n-1`` (all full-size), each seen by query blocks
+    ``j+c .. j+c+w-1`` (all full-size) with one and the same mask pattern: the backward runs
+    them *key-major*, one fused call over strided views in which each key block is one
+    problem against its window of ``w*b`` query rows. Each key block's dk and dv then come out
+    complete (no overlap); the query windows' dq overlap and are added back ``w`` shifts.
+
+    Measured (benchmarks/RESULTS.md): torch's fused CPU backward runs a 128-key block against
+    384 query rows faster than 128 query rows against 384 keys (its inner GEMMs then reduce
+    over 64 rows instead of 32), and there is one overlapping gradient to fold instead of two."""
+
+    j0: int
+    n: int
+    c: int
+    w: int
+    b: int
+    # (device, dtype) -> additive mask [1, 1, w*b, b] or None; evaluated once.
+    masks: dict[tuple[torch.device, torch.dtype], Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
 class Schedule:
-    """Per query block its pieces (empty where a band group computes it), and the groups."""
+    """Per query block its pieces (empty where a band group computes it), the groups, and
+    (backward schedules only) key-major groups; a piece never covers a key-major group's
+    key blocks."""
 
     rows: list[list[Piece]]
     groups: list[BandGroup]
+    key_groups: list[KeyBandGroup] = field(default_factory=list)
 
 
 # A segment is one mask-free fused call: queries [q0, q1) against keys [k0, k1), causal
@@ -143,6 +167,27 @@ class Job:
             dead = rows_dead if bool(rows_dead.any()) else None
         g.masks[(device, dtype)] = (fmask, dead)
         return fmask, dead
+
+    def key_group_mask(
+        self, g: KeyBandGroup, device: torch.device, dtype: torch.dtype
+    ) -> Tensor | None:
+        """A key-major group's shared additive mask ``[1, 1, w*b, b]`` (or ``None`` when
+        every query of the window sees every key), evaluated once per device and dtype from
+        the group's first key block."""
+        if (device, dtype) in g.masks:
+            return g.masks[(device, dtype)]
+        rows = g.w * g.b
+        q0, k0 = (g.j0 + g.c) * g.b, g.j0 * g.b
+        b, h, qi, _ = index_tensors(1, 1, (q0, q0 + rows), (0, 0), device)
+        ki = torch.arange(k0, k0 + g.b, device=device).view(1, 1, 1, -1)  # [1, 1, 1, b]
+        m = check_mask_result(self.mask_src(b, h, qi, ki), self.mask_src, (1, 1, rows, g.b))
+        m = m.expand(1, 1, rows, g.b)
+        fmask = None
+        if not bool(m.all()):
+            fmask = torch.zeros(m.shape, dtype=dtype, device=device)
+            fmask = fmask.masked_fill(~m, float("-inf"))
+        g.masks[(device, dtype)] = fmask
+        return fmask
 
     def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
         """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the

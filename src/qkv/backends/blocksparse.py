@@ -109,7 +109,8 @@ class BlocksparseBackend(Backend):
             if isinstance(mask, _Band) and p.Hq == p.Hkv:
                 return (
                     "torch's fused CPU flash kernel, query blocks batched along the band "
-                    "(strided views, visible key blocks only)"
+                    "(strided views, visible key blocks only; the backward batches key "
+                    "blocks, each against the queries that see it)"
                 )
         return "torch's fused CPU flash kernel per query block, visible key blocks only"
 
