@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._blocksparse_fwd import float_mask, fold, pad_last, strided_blocks, unfold
-from ._blocksparse_job import BandGroup, Job, KeyBandGroup, Piece
+from ._blocksparse_job import Job, KeyBandGroup, Piece
 
 Tensor = torch.Tensor
 
@@ -113,7 +113,10 @@ def _fused_backward(
     lse_k = _lse_for_bwd(lse).to(kdt)
     sched = job.bwd
     written: list[tuple[int, int]] = []
-    if not job.segments and not sched.groups:  # key-major groups write their keys' dk, dv
+    # Backward schedules batch band rows key-major only (query-major band groups are a
+    # forward schedule: see _blocksparse_plan._key_schedule).
+    assert not sched.groups, "a backward schedule has query-major band groups"
+    if not job.segments:  # key-major groups write their keys' dk, dv
         written = [(kg.j0 * kg.b, (kg.j0 + kg.n) * kg.b) for kg in sched.key_groups]
     g = Grads(job, q, k, v, need, tuple(sorted(written)))
     dout = dout.to(q.dtype)
@@ -141,13 +144,11 @@ def _fused_backward(
         g.dq[:, :, q0:q1] += dq[..., :D]
         g.dk[:, :, k0:k1] += dk[..., :D]
         g.dv[:, :, k0:k1] += dv[..., :Dv]
-    if sched.groups or sched.key_groups:
+    if sched.key_groups:
         qp, kp, vp = qp.contiguous(), kp.contiguous(), vp.contiguous()
         outp, doutp, lse_k = outp.contiguous(), doutp.contiguous(), lse_k.contiguous()
         for kgrp in sched.key_groups:
             _key_group_backward(job, kgrp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
-        for grp in sched.groups:
-            _group_backward(job, grp, g, qp, kp, vp, outp, doutp, lse_k, D, Dv)
     for pieces in sched.rows:
         for pc in pieces:
             r = slice(pc.q0, pc.q1)
@@ -168,44 +169,6 @@ def _fused_backward(
             g.add_keys(g.dk, pc, dk[..., :D])
             g.add_keys(g.dv, pc, dv[..., :Dv])
     return g
-
-
-def _group_backward(
-    job: Job,
-    grp: BandGroup,
-    g: Grads,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    dout: Tensor,
-    lse: Tensor,
-    D: int,
-    Dv: int,
-) -> None:
-    """One band group's backward in a single fused call; the windows' key gradients overlap,
-    so they are added back one key-block offset at a time."""
-    p = job.p
-    fmask, _ = job.group_mask(grp, q.device, q.dtype)
-    b, n, span = grp.b, grp.n, grp.w * grp.b
-    first_q, first_k = grp.i0 * b, (grp.i0 + grp.c) * b
-    dq, dk, dv = _flash_cpu_bwd(
-        strided_blocks(dout, first_q, n, b, b),
-        strided_blocks(q, first_q, n, b, b),
-        strided_blocks(k, first_k, n, span, b),
-        strided_blocks(v, first_k, n, span, b),
-        strided_blocks(out, first_q, n, b, b),
-        strided_blocks(lse.unsqueeze(-1), first_q, n, b, b).squeeze(-1),
-        0.0,
-        False,
-        attn_mask=fmask,
-        scale=p.scale,
-    )  # [B*H, n, b|span, Dm]
-    strided_blocks(g.dq, first_q, n, b, b).add_(dq[..., :D])
-    for t in range(grp.w):
-        sl = slice(t * b, (t + 1) * b)
-        strided_blocks(g.dk, first_k + t * b, n, b, b).add_(dk[:, :, sl, :D])
-        strided_blocks(g.dv, first_k + t * b, n, b, b).add_(dv[:, :, sl, :Dv])
 
 
 def _key_group_backward(

@@ -120,7 +120,7 @@ def make_job(
         # int8 tile grid itself would cost more than it saves, so both use the default.
         fine = -(-p.Lq // _FWD_BAND_BLOCK) * -(-p.Lk // _FWD_BAND_BLOCK) <= 1 << 24
         b_fwd = _FWD_BAND_BLOCK if fine else DEFAULT_BLOCK
-        fwd = _band_schedule(mask_src, p, b_fwd, fwd_only=True)
+        fwd = _band_schedule(mask_src, p, b_fwd)
         job = Job(p, True, [], fwd, mask_src, None, None, seed, (1, 1))
         job.bwd_build = functools.partial(_band_bwd_schedule, mask_src, p, _BWD_BAND_BLOCK)
         return job
@@ -141,24 +141,22 @@ def make_job(
     return job
 
 
-def _schedule(
-    bm: BlockMask, max_span: int, group_b: int, row_elems: int, *, fwd_only: bool = False
-) -> Schedule:
+def _schedule(bm: BlockMask, max_span: int, group_b: int, row_elems: int) -> Schedule:
     """Pieces (and band groups of ``group_b`` blocks, if not 0) of a block mask, cached on
     it: a block mask reused across calls and layers is scheduled once."""
     cache = bm.__dict__.setdefault("_qkv_schedules", {})
-    key = (max_span, group_b, row_elems, fwd_only)
+    key = (max_span, group_b, row_elems)
     if key not in cache:
         rows = _pieces(bm, max_span)
-        groups = _band_groups(rows, group_b, row_elems, fwd_only) if group_b else []
+        groups = _band_groups(rows, group_b, row_elems) if group_b else []
         cache[key] = Schedule(_merge_ends(rows) if group_b else rows, groups)
     return cache[key]
 
 
-def _band_schedule(mask: _Band, p: Problem, b: int, *, fwd_only: bool = False) -> Schedule:
+def _band_schedule(mask: _Band, p: Problem, b: int) -> Schedule:
     bm = _band_block_mask(mask.lo, mask.hi, p.Lq, p.Lk, b)
     max_span = max(1, _PIECE_BUDGET // b)
-    return _schedule(bm, max_span, b, _row_elems(p), fwd_only=fwd_only)
+    return _schedule(bm, max_span, b, _row_elems(p))
 
 
 def _band_bwd_schedule(mask: _Band, p: Problem, b: int) -> Schedule:
@@ -347,11 +345,10 @@ def _prefix_length(mask: Any) -> int | None:
     return None
 
 
-def _band_groups(
-    rows: list[list[Piece]], b: int, row_elems: int, fwd_only: bool = False
-) -> list[BandGroup]:
+def _band_groups(rows: list[list[Piece]], b: int, row_elems: int) -> list[BandGroup]:
     """Batch consecutive query blocks whose pieces are the same band pattern shifted by one
-    block each; their entries in ``rows`` are emptied (the group computes them)."""
+    block each; their entries in ``rows`` are emptied (the group computes them). Forward
+    only: the backward batches band rows key-major (:func:`_key_groups`)."""
     groups: list[BandGroup] = []
 
     def key(i: int) -> tuple[Any, ...] | None:
@@ -368,10 +365,7 @@ def _band_groups(
     while i < len(rows):
         kk = key(i)
         j = i + 1
-        # A call's biggest buffer: n blocks of output in the forward, n windows of w*b keys
-        # in the backward (its dk and dv).
-        width = b if fwd_only or kk is None else kk[1] * b
-        max_n = max(2, _PIECE_BUDGET // (row_elems * width))
+        max_n = max(2, _PIECE_BUDGET // (row_elems * b))  # a call's output: n blocks of b rows
         while kk is not None and j < len(rows) and j - i < max_n and key(j) == kk:
             j += 1
         if kk is not None and j - i >= 2:
