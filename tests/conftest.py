@@ -36,6 +36,14 @@ def check() -> Callable[..., None]:
     return _check
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn qkv's compiled CPU kernels off for one test (``QKV_NATIVE=0``): the block-sparse
+    engine then runs band masks with torch's fused kernel, the path every machine without a
+    C++ compiler takes."""
+    monkeypatch.setenv("QKV_NATIVE", "0")
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 

@@ -182,6 +182,16 @@ def test_backend_matches_oracle(case: Case, backend: str) -> None:
     run_case(case, backend)
 
 
+BAND_CASES = [c for c in CASES if c.mask in ("window", "window2")]
+
+
+@pytest.mark.parametrize("case", BAND_CASES, ids=str)
+def test_blocksparse_bands_without_compiled_kernels(case: Case, torch_kernels: None) -> None:
+    """The band cases again with qkv's compiled kernel off (QKV_NATIVE=0): the path of every
+    machine without a C++ compiler (torch's fused kernel on batched band tiles)."""
+    run_case(case, "blocksparse")
+
+
 def test_matrix_covers_every_axis_value() -> None:
     seen = {
         "B": {c.B for c in CASES},

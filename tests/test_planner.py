@@ -138,7 +138,7 @@ def test_dense_limit_refuses_the_reference_but_auto_never_raises():
         qkv.set_dense_limit(old)
 
 
-def test_named_backends():
+def test_named_backends(torch_kernels):
     q, k, v = _x()
     with pytest.raises(ValueError, match="'blocksparse'"):
         qkv.attention(q, k, v, backend="flash")
@@ -165,7 +165,7 @@ def test_auto_order_and_registry():
     assert set(planner.BACKENDS) == {"sdpa", "blocksparse", "reference"}
 
 
-def test_cli_plan_shows_blocksparse(capsys):
+def test_cli_plan_shows_blocksparse(capsys, torch_kernels):
     from qkv.cli import main
 
     assert main(["plan", "--q-len", "16384", "--mask", "window:256"]) == 0

@@ -1,7 +1,8 @@
 """Forward kernels of the block-sparse engine: one piece (a query block against a run of its
 visible keys) at a time, merged per query block by log-sum-exp.
 
-Two kernel families:
+The compiled band kernel (``_native``, ``csrc/band_forward.cpp``) computes a sliding
+window's whole forward in one call when the plan chose it. Otherwise, two kernel families:
 
 - **fused** (CPU): torch's flash-attention CPU kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``), which returns the log-sum-exp and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _native
 from ._blocksparse_job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
@@ -203,6 +205,9 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     float64 (``-inf`` on rows with no visible key)."""
     p = job.p
     B, Hq, Lq, Dv = p.B, p.Hq, p.Lq, p.Dv
+    if job.native_band is not None:
+        out, lse32 = _native.band_forward(q, k, v, *job.native_band, p.scale)
+        return out, lse32.double()
     if job.fused:
         dm = max(p.D, p.Dv)
         q, k, v = pad_last(q, dm), pad_last(k, dm), pad_last(v, dm)

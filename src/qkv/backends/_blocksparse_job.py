@@ -134,6 +134,8 @@ class Job:
     # built on first use.
     bwd_build: Callable[[], Schedule] | None = None
     _bwd: Schedule | None = None
+    # (lo, hi) when the compiled band kernel computes the forward (``fwd`` is then empty).
+    native_band: tuple[int, int] | None = None
 
     @property
     def bwd(self) -> Schedule:

@@ -101,6 +101,57 @@ def make_job(
         if segments:
             empty = Schedule([], [])
             return Job(p, True, segments, empty, None, None, None, seed, (1, 1))
+    if fused and bias is None and native_band(p, mask_src) is None:
+        assert isinstance(mask_src, _Band)
+        # The compiled band kernel computes the whole forward; the backward keeps the plan
+        # it would have had (built on first use, so inference never plans it).
+        job = Job(p, True, [], Schedule([], []), mask_src, None, None, seed, (1, 1))
+        job.native_band = (int(mask_src.lo), int(mask_src.hi))  # type: ignore[arg-type]
+        job.bwd_build = lambda: _torch_job(p, block_size, fused, bias, None, seed).bwd
+        return job
+    return _torch_job(p, block_size, fused, bias, score_mod, seed)
+
+
+# Widest band (hi - lo) the compiled kernel takes: its per-thread buffers grow with it
+# (32 x 8 K scores, a D x 8 K panel); wider bands are block-sparse enough for the pieces.
+_NATIVE_MAX_WIDTH = 8192
+
+
+def native_band(p: Problem, mask: Any, *, build: bool = True) -> str | None:
+    """Why the compiled band kernel (``csrc/band_forward.cpp``) cannot compute this
+    problem's forward, or ``None`` if it will. ``build=False`` answers without building it
+    (for :func:`qkv.plan`, which must not wait ~30 s on a compiler)."""
+    from . import _native
+
+    if not isinstance(mask, _Band) or mask.lo is None or mask.hi is None:
+        return "the mask is not a band with both edges (a sliding window)"
+    if mask.hi - mask.lo > _NATIVE_MAX_WIDTH:
+        return f"the band is wider than {_NATIVE_MAX_WIDTH} keys"
+    if p.dtype != torch.float32:
+        return f"it computes float32 only (inputs are {str(p.dtype).replace('torch.', '')})"
+    if p.device.type not in ("cpu", "meta"):
+        return f"it is a CPU kernel (tensors are on {p.device.type})"
+    if p.Lq == 0 or p.Lk == 0:
+        return "there are no queries or no keys"
+    if not build or p.device.type == "meta":
+        return _native.disabled()
+    if _native.band_forward_op() is None:
+        return _native.disabled() or "the compiled kernel could not be loaded"
+    return None
+
+
+def _torch_job(
+    p: Problem,
+    block_size: int | tuple[int, int] | None,
+    fused: bool,
+    bias: Tensor | None,
+    score_mod: Any,
+    seed: int,
+) -> Job:
+    """The plan with torch's kernels (fused CPU flash per piece or band group, or explicit
+    matmuls)."""
+    mask = p.mask
+    mask_src = mask.mask if isinstance(mask, BlockMask) else mask
     band = (
         fused
         and bias is None

@@ -33,7 +33,13 @@ from ._base import Backend
 from ._blocksparse_bwd import backward
 from ._blocksparse_fwd import forward, row_forward
 from ._blocksparse_job import HiddenDependency, Job, fused_ok
-from ._blocksparse_plan import _PIECE_BUDGET, _prefix_length, _segments, make_job
+from ._blocksparse_plan import (
+    _PIECE_BUDGET,
+    _prefix_length,
+    _segments,
+    make_job,
+    native_band,
+)
 
 Tensor = torch.Tensor
 
@@ -97,6 +103,12 @@ class BlocksparseBackend(Backend):
         mask = p.mask.mask if isinstance(p.mask, BlockMask) else p.mask
         if not isinstance(p.score_mod, Tensor) and p.Lk > 0:
             segs = _segments(p, mask)
+            if not segs and native_band(p, mask, build=False) is None:
+                return (
+                    "qkv's compiled band kernel (C++, built once on first use): each query "
+                    "block against only the keys its rows see; the backward runs torch's fused "
+                    "kernel"
+                )
             if len(segs) == 1 and segs[0][:2] == (0, p.Lq):
                 return "torch's fused CPU flash kernel on the whole problem (it returns the lse)"
             if segs and _prefix_length(mask) is not None:

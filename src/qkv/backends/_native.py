@@ -1,0 +1,172 @@
+"""qkv's compiled CPU kernels: C++ built on first use with torch's extension builder.
+
+One kernel so far: ``band_forward`` (``csrc/band_forward.cpp``), the forward of band masks
+(sliding windows) on float32 CPU tensors. It is an accelerator, never a requirement: when it
+cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the block-sparse engine
+runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which one runs.
+
+- Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
+  ``~/.cache/qkv/native``); later processes load the cached library in milliseconds. The first
+  build takes ~30 s and says so on the ``qkv`` logger. ``python -m qkv.backends._native``
+  builds it ahead of time.
+- The compiler targets the CPU capability torch itself dispatches to (AVX512, AVX2 or plain),
+  not ``-march=native``, so a cache shared between machines of one capability stays valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+_SOURCE = Path(__file__).parent / "csrc" / "band_forward.cpp"
+_log = logging.getLogger("qkv")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "op": the loaded operator, or "error": why there is none
+
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def _capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # older torch: no capability query; build portable code
+        return "DEFAULT"
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernels live (per torch version and CPU capability)."""
+    root = os.environ.get("QKV_NATIVE_DIR") or Path.home() / ".cache" / "qkv" / "native"
+    tag = f"torch-{torch.__version__.replace('+', '_')}-{_capability().lower()}"
+    return Path(root) / tag
+
+
+def _switched_off() -> bool:
+    return os.environ.get("QKV_NATIVE", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def disabled() -> str | None:
+    """Why the compiled kernels will not be used (without building them), or ``None``."""
+    if _switched_off():
+        return "QKV_NATIVE=0 turns the compiled kernels off"
+    if "error" in _state:
+        return str(_state["error"])
+    if "op" not in _state and shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler found to build them (set CXX, or install g++)"
+    return None
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    cap = _capability()
+    out = cache_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    # torch's builder runs `ninja`; the `ninja` package puts it beside the interpreter, which
+    # is not on PATH when the venv is not activated.
+    path = os.environ.get("PATH", "")
+    extra = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        extra.append(str(ninja.BIN_DIR))
+    except Exception:
+        pass
+    os.environ["PATH"] = os.pathsep.join([*extra, path])
+    try:
+        if not any(out.glob("qkv_native*.so")):
+            _log.warning("qkv: compiling the CPU band kernel once (~30 s), into %s", out)
+        cpp_extension.load(
+            name="qkv_native",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = path
+    _register_fake()
+    return torch.ops.qkv_native.band_forward
+
+
+def _register_fake() -> None:
+    """Shapes without data (meta tensors, torch.compile's tracing)."""
+    try:
+        register = torch.library.register_fake
+    except AttributeError:  # torch < 2.4 spelling; nothing to trace there
+        return
+
+    def fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        return out, q.new_empty(q.shape[:3])
+
+    with contextlib.suppress(RuntimeError):  # already registered (a second load)
+        register("qkv_native::band_forward", fake)
+
+
+def band_forward_op() -> Any | None:
+    """The compiled band-forward operator, building it on first use; ``None`` (with the reason
+    logged once, and in :func:`disabled`) when it cannot be had."""
+    if _switched_off():
+        return None
+    op = _state.get("op")
+    if op is not None:
+        return op
+    return _load()
+
+
+@torch.compiler.disable  # file system, environment and a compiler: nothing to trace
+def _load() -> Any | None:
+    if disabled() is not None:
+        return None
+    with _lock:
+        if "op" in _state or "error" in _state:
+            return _state.get("op")
+        try:
+            _state["op"] = _build()
+        except Exception as e:  # no compiler, no headers, a failed build: fall back
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _state["error"] = f"building the compiled kernel failed: {first[:200]}"
+            _log.warning("qkv: %s; using torch's fused kernel instead", _state["error"])
+            return None
+    return _state["op"]
+
+
+# Tuned on a 2-core AVX512 VM (benchmarks/RESULTS.md): 32-row query blocks, 4 blocks per task
+# (one Kᵀ panel shared by 128 rows).
+BLOCK = 32
+CHUNK = 4
+
+
+def band_forward(
+    q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (float32; zeros and ``-inf`` on rows
+    that see no key) for the band ``lo <= k - q <= hi``. The planner calls this only after
+    :func:`band_forward_op` returned the operator."""
+    op = band_forward_op()
+    if op is None:
+        raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
+    out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, CHUNK)
+    return out, lse
+
+
+if __name__ == "__main__":  # build ahead of time: python -m qkv.backends._native
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    got = band_forward_op()
+    print(f"qkv compiled kernels: {'ready in ' + str(cache_dir()) if got else disabled()}")
+    sys.exit(0 if got is not None else 1)

@@ -1,0 +1,233 @@
+// qkv's CPU forward kernel for band masks (sliding windows): visible iff lo <= k - q <= hi.
+//
+// Built on first use by qkv/backends/_native.py (torch.utils.cpp_extension) and registered
+// as the operator torch.ops.qkv_native.band_forward. float32, contiguous [B, H, L, D] inputs,
+// grouped-query heads (H a multiple of Hkv), D != Dv allowed.
+//
+// Why it exists (benchmarks/RESULTS.md): torch's fused CPU flash kernel, fed a band as a batch
+// of strided 32-row tiles, spends most of its time in small GEMMs whose B operand (Kᵀ) is
+// packed again for every tile, and its output must then be copied into place. Here each task
+// (one head, a run of `chunk` query blocks) transposes its keys once into a Kᵀ panel, every
+// query block multiplies against its slice of that panel with oneDNN's batch-reduce GEMM
+// (no packing), and P·V is written straight into the output. Each query block sees only the
+// keys its rows can see (M + hi - lo columns), and only the two triangles at the ends of that
+// span are masked. One pass per block: the span is short, so no online rescaling is needed.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512 1
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2 1
+#define CPU_CAPABILITY AVX2
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+#if defined(__AVX2__)
+// One 8x8 tile: dst[c * ldd + r] = src[r * lds + c] for r, c < 8 (unpack, shuffle, permute).
+inline void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const int o = 4 * i;
+    u[o + 0] = _mm256_shuffle_ps(t[o + 0], t[o + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[o + 1] = _mm256_shuffle_ps(t[o + 0], t[o + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[o + 2] = _mm256_shuffle_ps(t[o + 1], t[o + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[o + 3] = _mm256_shuffle_ps(t[o + 1], t[o + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+#endif
+
+// dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols: the keys of a panel as Kᵀ.
+void transpose_panel(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst,
+                     int64_t ldd) {
+  int64_t r0 = 0, c_end = 0;
+#if defined(__AVX2__)
+  c_end = cols - cols % 8;
+  for (; r0 + 8 <= rows; r0 += 8) {
+    for (int64_t c = 0; c < c_end; c += 8) transpose8x8(src + r0 * lds + c, lds, dst + c * ldd + r0, ldd);
+  }
+#endif
+  // what the 8x8 tiles did not cover: the last rows (all columns), the last columns
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = (c < c_end ? r0 : 0); r < rows; ++r) dst[c * ldd + r] = src[r * lds + c];
+  }
+}
+
+// One row of raw scores s[0, n): keep columns [a, e) as exp(s * scale - max), zero the rest.
+// Returns (max, sum) of the scaled row; (-inf, 0) when the row sees no key.
+std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (e <= a) {
+    std::fill(s, s + n, 0.f);
+    return {neg_inf, 0.f};
+  }
+  std::fill(s, s + a, 0.f);
+  std::fill(s + e, s + n, 0.f);
+  float* x = s + a;
+  const int64_t len = e - a;
+  const int64_t vlen = len - len % Vec::size();
+  // max(s * scale) is max(s) * scale for scale >= 0 and min(s) * scale otherwise
+  // (multiplying by a constant is monotonic in floating point too): one read-only pass.
+  Vec vhi(neg_inf), vlo(std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i < vlen; i += Vec::size()) {
+    const Vec t = Vec::loadu(x + i);
+    vhi = at::vec::maximum(vhi, t);
+    vlo = at::vec::minimum(vlo, t);
+  }
+  float hi = at::vec::vec_reduce_all<float>(
+      [](Vec& u, Vec& w) { return at::vec::maximum(u, w); }, vhi);
+  float lo = at::vec::vec_reduce_all<float>(
+      [](Vec& u, Vec& w) { return at::vec::minimum(u, w); }, vlo);
+  for (; i < len; ++i) {
+    hi = std::max(hi, x[i]);
+    lo = std::min(lo, x[i]);
+  }
+  const float mx = (scale >= 0.f ? hi : lo) * scale;
+  if (mx == neg_inf) {  // -inf scores (from infinite inputs): no weight anywhere
+    std::fill(x, x + len, 0.f);
+    return {neg_inf, 0.f};
+  }
+  const Vec vscale(scale), vm(mx);
+  Vec acc(0.f);
+  for (i = 0; i < vlen; i += Vec::size()) {
+    const Vec t = at::vec::fmsub(Vec::loadu(x + i), vscale, vm).exp_u20();
+    acc += t;
+    t.store(x + i);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, acc);
+  for (; i < len; ++i) {
+    x[i] = std::exp(x[i] * scale - mx);
+    sum += x[i];
+  }
+  return {mx, sum};
+}
+
+std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, int64_t lo, int64_t hi,
+                                                double scale_d, int64_t block, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "band_forward: 4-D q, k, v");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "band_forward: float32 only");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "band_forward: CPU tensors only");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "band_forward: contiguous q, k, v");
+  TORCH_CHECK(lo <= hi && block > 0 && chunk > 0, "band_forward: lo <= hi, block, chunk > 0");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hk && v.size(2) == Lk &&
+                  k.size(3) == D && Hk > 0 && H % Hk == 0,
+              "band_forward: shapes do not match");
+  auto out = at::empty({B, H, Lq, Dv}, q.options());
+  auto lse = at::empty({B, H, Lq}, q.options());
+  if (B == 0 || H == 0 || Lq == 0) return {out, lse};
+
+  const int64_t G = H / Hk;
+  const float scale = static_cast<float>(scale_d);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t nblocks = (Lq + block - 1) / block;
+  const int64_t nchunks = (nblocks + chunk - 1) / chunk;
+  const int64_t width = hi - lo;  // a block of M rows sees at most M + width keys
+  const int64_t max_n = std::max<int64_t>(1, std::min<int64_t>(Lk, block + width));
+  const int64_t max_panel = std::max<int64_t>(1, std::min<int64_t>(Lk, block * chunk + width));
+  const float* qd = q.const_data_ptr<float>();
+  const float* kd = k.const_data_ptr<float>();
+  const float* vd = v.const_data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  float* ld = lse.data_ptr<float>();
+
+  at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(block * max_n), panel(D * max_panel), row_max(block),
+        row_sum(block);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % nchunks, bh = task / nchunks, h = bh % H, b = bh / H;
+      const int64_t cq0 = c * chunk * block, cq1 = std::min(Lq, cq0 + chunk * block);
+      const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, 0, Lk);
+      const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, 0, Lk);
+      const int64_t kv_head = b * Hk + h / G;
+      const float* kbase = kd + kv_head * Lk * D;
+      const float* vbase = vd + kv_head * Lk * Dv;
+      const int64_t np = kc1 - kc0;  // the panel's keys: Kᵀ[:, kc0:kc1] as [D, np]
+      if (np > 0) transpose_panel(kbase + kc0 * D, np, D, D, panel.data(), np);
+      for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
+        const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
+        const int64_t k0 = std::clamp<int64_t>(q0 + lo, 0, Lk);
+        const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, 0, Lk);
+        const float* qp = qd + ((b * H + h) * Lq + q0) * D;
+        float* op = od + ((b * H + h) * Lq + q0) * Dv;
+        float* lp = ld + (b * H + h) * Lq + q0;
+        if (k1 <= k0) {  // no row of this block sees a key
+          std::fill(op, op + m * Dv, 0.f);
+          std::fill(lp, lp + m, neg_inf);
+          continue;
+        }
+        const int64_t n = k1 - k0;
+        // scores [m, n] = q_block [m, D] · Kᵀ[:, k0:k1] [D, n]
+        at::native::cpublas::brgemm(m, n, D, D, np, n, false, qp, panel.data() + (k0 - kc0),
+                                    scores.data(), false);
+        for (int64_t r = 0; r < m; ++r) {
+          // row q0 + r sees keys [q0 + r + lo, q0 + r + hi], i.e. columns [a, e)
+          const int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
+          const int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+          std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * n, n, a, e, scale);
+        }
+        // out [m, Dv] = p [m, n] · V[k0:k1] [n, Dv], then each row divided by its sum
+        at::native::cpublas::brgemm(m, Dv, n, n, Dv, Dv, false, scores.data(),
+                                    vbase + k0 * Dv, op, false);
+        for (int64_t r = 0; r < m; ++r) {
+          float* orow = op + r * Dv;
+          if (row_sum[r] == 0.f) {
+            std::fill(orow, orow + Dv, 0.f);
+            lp[r] = neg_inf;
+            continue;
+          }
+          const float inv = 1.f / row_sum[r];
+          at::vec::map<float>([inv](Vec x) { return x * Vec(inv); }, orow, orow, Dv);
+          lp[r] = row_max[r] + std::log(row_sum[r]);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qkv_native, m) {
+  m.def(
+      "band_forward(Tensor q, Tensor k, Tensor v, int lo, int hi, float scale, int block, "
+      "int chunk) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(qkv_native, CPU, m) { m.impl("band_forward", &band_forward); }

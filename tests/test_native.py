@@ -1,0 +1,159 @@
+"""qkv's compiled CPU band kernel (``src/qkv/backends/csrc/band_forward.cpp``) against the
+oracle, and the engine's fallback when it cannot be built.
+
+The kernel is built on first use (~15-30 s once per machine, cached). Where a C++ compiler
+exists (CI has one) these tests require it to build; without one they skip, and the rest of
+the suite covers the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import zlib
+
+import pytest
+import torch
+
+import qkv
+from qkv.backends import _blocksparse_plan as plan_mod
+from qkv.backends import _native
+from qkv.masks import _Band
+from qkv_testing import assert_matches_oracle, compare_to_oracle
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None, reason="no C++ compiler to build qkv's CPU kernel"
+)
+with_lse = functools.partial(qkv.attention, backend="blocksparse", return_lse=True)
+
+
+def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _job(q, k, v, mask, **kw):
+    return plan_mod.make_job(qkv._validate.validate(q, k, v, mask=mask, **kw))
+
+
+@needs_compiler
+def test_the_kernel_builds_and_the_engine_uses_it():
+    assert _native.band_forward_op() is not None, _native.disabled()
+    q, k, v = _qkv(1, 2, 2, 300, 300, 16, 16)
+    mask = qkv.sliding_window(40)
+    job = _job(q, k, v, mask)
+    assert job.native_band == (-40, 0)
+    assert not job.fwd.rows and not job.fwd.groups  # nothing planned for torch's kernel
+    assert "compiled band kernel" in str(qkv.plan(q, k, v, mask=mask, backend="blocksparse"))
+
+
+# (Lq, Lk), (D, Dv), heads, band (window, lookahead) as sliding_window takes them
+SHAPES = [
+    ((1, 1), (8, 8), (1, 1), (0, 0)),
+    ((7, 7), (59, 59), (2, 2), (3, 0)),
+    ((113, 113), (111, 111), (4, 4), (16, 0)),
+    ((1025, 1025), (64, 64), (8, 2), (255, 0)),  # GQA, the benchmark's window
+    ((1025, 113), (59, 111), (4, 1), (40, 60)),  # Lq > Lk, Dv != D, MQA, both sides
+    ((113, 1025), (64, 32), (2, 2), (300, 200)),  # Lq < Lk
+    ((257, 257), (128, 128), (2, 2), (31, 33)),  # blocks and chunks do not divide
+    ((96, 96), (16, 16), (1, 1), (1000, 0)),  # wider than the sequence
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("L", "dims", "heads", "band"), SHAPES, ids=str)
+def test_band_kernel_matches_the_oracle(L, dims, heads, band):
+    """Forward, lse and gradients (the backward recomputes from the kernel's lse with torch's
+    kernel) against the float64 oracle, over odd shapes."""
+    (Lq, Lk), (D, Dv), (Hq, Hkv) = L, dims, heads
+    seed = zlib.crc32(repr((L, dims, heads, band)).encode())
+    q, k, v = _qkv(2 if Lq < 500 else 1, Hq, Hkv, Lq, Lk, D, Dv, seed=seed)
+    mask = qkv.sliding_window(*band)
+    assert _job(q, k, v, mask).native_band is not None
+    assert_matches_oracle(compare_to_oracle(with_lse, q, k, v, mask=mask))
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "mask",
+    [
+        qkv.sliding_window(0, 0),  # each row sees only its own key (rows past Lk see none)
+        _Band(50, 60, "keys 50-60 ahead"),  # past every key: no row sees anything
+    ],
+    ids=["diagonal", "empty"],
+)
+def test_rows_that_see_no_key(mask):
+    """Rows whose band lies outside the keys get output 0 and lse -inf (the contract), and
+    no NaN reaches any gradient."""
+    q, k, v = _qkv(1, 2, 2, 70, 40, 16, 16, seed=3)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, lse = with_lse(q, k, v, mask=mask)
+    want_out, want_lse = qkv.attention(q, k, v, mask=mask, backend="reference", return_lse=True)
+    torch.testing.assert_close(out, want_out)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert _job(q, k, v, mask).native_band is not None
+    assert torch.isneginf(lse[:, :, 40:]).all() and (out[:, :, 40:] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@needs_compiler
+@pytest.mark.parametrize(("scale", "mult"), [(-0.3, 1.0), (1.0, 300.0)], ids=["negative", "1e3"])
+def test_scale_and_extreme_logits(scale, mult):
+    """A negative scale (the row max must be taken after scaling) and logits of ~1e3, with
+    gradients (the engine redoes huge-lse problems with explicit matmuls for the backward)."""
+    q, k, v = _qkv(1, 2, 2, 200, 200, 32, 32, seed=5)
+    mask = qkv.sliding_window(50)
+    assert_matches_oracle(compare_to_oracle(with_lse, q * mult, k, v, mask=mask, scale=scale))
+
+
+@needs_compiler
+def test_who_takes_the_kernel():
+    """Only float32 CPU band masks with both edges take it; everything else keeps its plan."""
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16, 16)
+    assert _job(q, k, v, qkv.sliding_window(8)).native_band is not None
+    assert _job(q, k, v, qkv.causal).native_band is None  # one fused call (segments)
+    assert _job(q, k, v, lambda b, h, i, j: (i - j).abs() < 4).native_band is None
+    assert _job(q, k, v, qkv.sliding_window(8), score_mod=qkv.softcap(5.0)).native_band is None
+    assert _job(q, k, v, qkv.sliding_window(8), dropout_p=0.1).native_band is None
+    wide = qkv.sliding_window(plan_mod._NATIVE_MAX_WIDTH + 1)
+    assert _job(q, k, v, wide).native_band is None
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    assert _job(qb, kb, vb, qkv.sliding_window(8)).native_band is None
+
+
+def test_qkv_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    q, k, v = _qkv(1, 2, 2, 300, 300, 16, 16)
+    mask = qkv.sliding_window(40)
+    assert _job(q, k, v, mask).native_band is None
+    text = str(qkv.plan(q, k, v, mask=mask, backend="blocksparse"))
+    assert "compiled band kernel" not in text
+    assert "QKV_NATIVE=0" in plan_mod.native_band(qkv._validate.validate(q, k, v, mask=mask), mask)
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog):
+    """A machine whose build fails (no compiler, no headers) still gets exact results from
+    torch's kernel, one logged line, and the reason from the planner."""
+    monkeypatch.setattr(_native, "_state", {})
+
+    def broken():
+        raise RuntimeError("c++: command not found\nmore detail")
+
+    monkeypatch.setattr(_native, "_build", broken)
+    q, k, v = _qkv(1, 2, 2, 300, 300, 16, 16, seed=9)
+    mask = qkv.sliding_window(40)
+    with caplog.at_level(logging.WARNING, logger="qkv"):
+        out = qkv.attention(q, k, v, mask=mask, backend="blocksparse")
+        qkv.attention(q, k, v, mask=mask, backend="blocksparse")  # tries once, logs once
+    torch.testing.assert_close(out, qkv.reference.attention(q, k, v, mask=mask)[0])
+    logged = [r for r in caplog.records if "compiled kernel failed" in r.getMessage()]
+    assert len(logged) == 1 and "c++: command not found" in logged[0].getMessage()
+    why = plan_mod.native_band(qkv._validate.validate(q, k, v, mask=mask), mask)
+    assert why is not None and "c++: command not found" in why
+    assert _job(q, k, v, mask).fwd.groups  # torch's batched band tiles instead
