@@ -15,7 +15,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from qkv._cli.bench import bench_case, matmul_peak
+from qkv._cli.bench import _PEAK_N, bench_case, matmul_peak
 
 
 def _args(repeats: int, threads: int) -> SimpleNamespace:
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak(a.threads)
     print(
         f"torch {torch.__version__}, {a.threads} threads, fp32 B=1 H=8 D=64, matmul peak "
-        f"{peak:.0f} GFLOP/s, median of {a.repeats} interleaved rounds"
+        f"{peak:.0f} GFLOP/s at the start; % of peak: median over {a.repeats} interleaved rounds "
+        f"of each round's GFLOP/s over a {_PEAK_N}² matmul timed in the same round"
     )
     out: list[dict[str, Any]] = []
     for label, n, mask, mode, peers, metric, target in TARGETS:

@@ -157,3 +157,19 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog):
     why = plan_mod.native_band(qkv._validate.validate(q, k, v, mask=mask), mask)
     assert why is not None and "c++: command not found" in why
     assert _job(q, k, v, mask).fwd.groups  # torch's batched band tiles instead
+
+
+@needs_compiler
+def test_auto_sends_even_small_windows_to_the_kernel():
+    """The compiled band kernel beats SDPA's dense call at every size measured, so auto takes
+    it where it would otherwise send a small masked problem to SDPA."""
+    q, k, v = _qkv(1, 4, 4, 64, 64, 16, 16)
+    mask = qkv.sliding_window(16)
+    plan = qkv.plan(q, k, v, mask=mask)
+    assert plan.backend == "blocksparse" and "compiled band kernel" in str(plan)
+    assert "sdpa" in plan.rejected and "band" in plan.rejected["sdpa"]
+    torch.testing.assert_close(
+        qkv.attention(q, k, v, mask=mask), qkv.reference.attention(q, k, v, mask=mask)[0]
+    )
+    # dropout and biases keep SDPA (the kernel computes neither)
+    assert qkv.plan(q, k, v, mask=mask, dropout_p=0.1).backend == "sdpa"

@@ -79,8 +79,9 @@ def test_auto_picks_blocksparse_otherwise(kw, why):
     [qkv.sliding_window(16), lambda b, h, i, j: (i - j) % 2 == 0, torch.rand(64, 64) > 0.5],
     ids=["window", "mask_mod", "bool"],
 )
-def test_small_masked_problems_go_to_sdpa(mask):
-    """Below ~1 M scores SDPA's one dense call beats planning tiles (measured)."""
+def test_small_masked_problems_go_to_sdpa(mask, torch_kernels):
+    """Below ~1 M scores SDPA's one dense call beats planning tiles (measured). (Sliding
+    windows go to the compiled band kernel when there is one: test_native.py.)"""
     q, k, v = _x(Hq=4, Hkv=4, Lq=64, Lk=64)
     assert qkv.plan(q, k, v, mask=mask).backend == "sdpa"
     assert qkv.plan(q, k, v, mask=mask, return_lse=True).backend == "blocksparse"

@@ -101,7 +101,7 @@ def make_job(
         if segments:
             empty = Schedule([], [])
             return Job(p, True, segments, empty, None, None, None, seed, (1, 1))
-    if fused and bias is None and native_band(p, mask_src) is None:
+    if fused and bias is None and native_band(p, mask_src) is None:  # (fused: no score_mod)
         assert isinstance(mask_src, _Band)
         # The compiled band kernel computes the whole forward; the backward keeps the plan
         # it would have had (built on first use, so inference never plans it).
@@ -123,6 +123,11 @@ def native_band(p: Problem, mask: Any, *, build: bool = True) -> str | None:
     (for :func:`qkv.plan`, which must not wait ~30 s on a compiler)."""
     from . import _native
 
+    why_not_fused = fused_ok(p)
+    if why_not_fused is not None:
+        return why_not_fused
+    if isinstance(p.score_mod, Tensor):
+        return "a bias is added"
     if not isinstance(mask, _Band) or mask.lo is None or mask.hi is None:
         return "the mask is not a band with both edges (a sliding window)"
     if mask.hi - mask.lo > _NATIVE_MAX_WIDTH:

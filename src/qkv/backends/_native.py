@@ -146,10 +146,12 @@ def _load() -> Any | None:
     return _state["op"]
 
 
-# Tuned on a 2-core AVX512 VM (benchmarks/RESULTS.md): 32-row query blocks, 4 blocks per task
-# (one Kᵀ panel shared by 128 rows).
-BLOCK = 32
-CHUNK = 4
+# Tuned on a 2-core AVX512 VM (window 256, n=16384; benchmarks/RESULTS.md): 16-row query
+# blocks (a block computes 16 + w - 1 keys per row for w useful), up to 32 blocks per task
+# (one Kᵀ panel shared by 512 rows: each key transposed ~1.5 times). Within ~5% of each other:
+# 32x4 68, 32x8 67, 16x16 65, 16x32 64, 24x12 62 ms (medians of 15 interleaved rounds).
+BLOCK = 16
+MAX_CHUNK = 32
 
 
 def band_forward(
@@ -161,7 +163,10 @@ def band_forward(
     op = band_forward_op()
     if op is None:
         raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
-    out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, CHUNK)
+    # Enough tasks for every thread (4 each), then as many blocks per task as allowed.
+    blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK)
+    chunk = max(1, min(MAX_CHUNK, blocks // (4 * torch.get_num_threads())))
+    out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
     return out, lse
 
 
