@@ -61,6 +61,16 @@ class Grads:
         )
         self.dparams: list[Tensor | None] = [None] * len(job.params)
 
+    @classmethod
+    def of(cls, job: Job, dq: Tensor, dk: Tensor, dv: Tensor) -> Grads:
+        """Finished gradients (no bias, no score_mod tensors), from a kernel that computed
+        them whole."""
+        g = cls.__new__(cls)
+        g.dq, g.dk, g.dv = dq, dk, dv
+        g.dbias = None
+        g.dparams = [None] * len(job.params)
+        return g
+
     def add_keys(self, acc: Tensor, pc: Piece, g: Tensor) -> None:
         """Add a piece's ``g [B, Hkv, span, X]`` into ``acc [B, Hkv, Lk, X]`` at its keys."""
         g = g.to(acc.dtype)
@@ -91,6 +101,13 @@ def backward(
 ) -> Grads:
     """Gradients of one call. ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` are the forward's
     results; ``dlse`` is ``None`` when nothing flowed into the lse."""
+    if job.native_band is not None:  # the compiled band kernel ran the forward: its backward
+        from . import _native  # (imported here: `python -m qkv.backends._native` runs it)
+
+        dq, dk, dv = _native.band_backward(
+            q, k, v, out, dout, lse, dlse, *job.native_band, job.p.scale
+        )
+        return Grads.of(job, dq, dk, dv)
     if job.fused:
         return _fused_backward(job, q, k, v, out, lse, dout, dlse, need)
     return _matmul_backward(job, q, k, v, out, lse, dout, dlse, need)

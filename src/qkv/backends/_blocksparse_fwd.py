@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _native
 from ._blocksparse_job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
@@ -206,6 +205,8 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     p = job.p
     B, Hq, Lq, Dv = p.B, p.Hq, p.Lq, p.Dv
     if job.native_band is not None:
+        from . import _native  # (imported here: `python -m qkv.backends._native` runs it)
+
         out, lse32 = _native.band_forward(q, k, v, *job.native_band, p.scale)
         return out, lse32.double()
     if job.fused:

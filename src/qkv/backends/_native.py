@@ -114,8 +114,13 @@ def _register_fake() -> None:
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         return out, q.new_empty(q.shape[:3])
 
+    def fake_bwd(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
     with contextlib.suppress(RuntimeError):  # already registered (a second load)
         register("qkv_native::band_forward", fake)
+    with contextlib.suppress(RuntimeError):
+        register("qkv_native::band_backward", fake_bwd)
 
 
 def band_forward_op() -> Any | None:
@@ -168,6 +173,44 @@ def band_forward(
     chunk = max(1, min(MAX_CHUNK, blocks // (4 * torch.get_num_threads())))
     out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
     return out, lse
+
+
+def band_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    dout: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    lo: int,
+    hi: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` (float32) of :func:`band_forward`'s band, recomputed from its ``out``
+    and ``lse`` (float64; ``-inf`` on rows without keys) and the upstream ``dout`` and
+    ``dlse`` (``None`` when nothing flowed into the lse)."""
+    op = band_forward_op()
+    if op is None:
+        raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
+    lse64 = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).double()
+    lse_hi = lse64.float()
+    lse_lo = (lse64 - lse_hi.double()).float()
+    d = q.new_empty(0) if dlse is None else dlse.float().contiguous()
+    blocks = q.shape[0] * k.shape[1] * -(-q.shape[2] // BLOCK)
+    chunk = max(1, min(MAX_CHUNK, blocks // (8 * torch.get_num_threads())))
+    grads: tuple[Tensor, Tensor, Tensor] = torch.ops.qkv_native.band_backward(
+        *(t.contiguous() for t in (q, k, v, out, dout)),
+        lse_hi.contiguous(),
+        lse_lo.contiguous(),
+        d,
+        lo,
+        hi,
+        scale,
+        BLOCK,
+        chunk,
+    )
+    return grads
 
 
 if __name__ == "__main__":  # build ahead of time: python -m qkv.backends._native

@@ -1,4 +1,5 @@
-// qkv's CPU forward kernel for band masks (sliding windows): visible iff lo <= k - q <= hi.
+// qkv's CPU kernels for band masks (sliding windows): visible iff lo <= k - q <= hi.
+// band_forward computes out and lse; band_backward the gradients from them (below).
 //
 // Built on first use by qkv/backends/_native.py (torch.utils.cpp_extension) and registered
 // as the operator torch.ops.qkv_native.band_forward. float32, contiguous [B, H, L, D] inputs,
@@ -222,12 +223,160 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+
+// The backward of band_forward, recomputing from the saved lse (FlashAttention's backward):
+// per query block, P = exp(s·scale − lse), dP = dO·Vᵀ, dS = P ∘ (dP − D) with
+// D = rowsum(dO ∘ out) − dlse; dq = scale·dS·K (each row written once), and dk += scale·dSᵀ·Q,
+// dv += Pᵀ·dO straight into the outputs. A task is one (batch, kv head, run of query rows)
+// and loops over the query heads that share the kv head (GQA), so tasks of one phase never
+// write the same dk/dv rows: runs are at least as long as the band is wide, and even and odd
+// runs go in two phases (a run's keys reach only into its neighbours' keys).
+// lse arrives as hi + lo float32 parts of the float64 lse (exp((s − hi) − lo) loses nothing to
+// the rounding of a large lse).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse_hi, const at::Tensor& lse_lo,
+    const at::Tensor& dlse, int64_t lo, int64_t hi, double scale_d, int64_t block,
+    int64_t chunk) {
+  for (const at::Tensor* t : {&q, &k, &v, &out, &dout, &lse_hi, &lse_lo}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "band_backward: contiguous float32 CPU tensors only");
+  }
+  TORCH_CHECK(lo <= hi && block > 0 && chunk > 0, "band_backward: lo <= hi, block, chunk > 0");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), Lk = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(Hk > 0 && H % Hk == 0 && out.size(3) == Dv && dout.sizes() == out.sizes(),
+              "band_backward: shapes do not match");
+  const bool has_dlse = dlse.numel() > 0;
+  TORCH_CHECK(!has_dlse || (dlse.scalar_type() == at::kFloat && dlse.is_contiguous() &&
+                            dlse.numel() == B * H * Lq),
+              "band_backward: dlse must be empty or a contiguous float32 [B, H, Lq]");
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::zeros(k.sizes(), k.options());
+  auto dv = at::zeros(v.sizes(), v.options());
+  if (B == 0 || H == 0 || Lq == 0 || Lk == 0) {
+    dq.zero_();
+    return {dq, dk, dv};
+  }
+  const int64_t G = H / Hk;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t width = hi - lo;
+  // rows per run: a multiple of the block, and no shorter than the band is wide
+  int64_t run = chunk * block;
+  if (run < width + 1) run = (width + 1 + block - 1) / block * block;
+  const int64_t nruns = (Lq + run - 1) / run;
+  const int64_t max_n = std::max<int64_t>(1, std::min<int64_t>(Lk, block + width));
+  const int64_t max_panel = std::max<int64_t>(1, std::min<int64_t>(Lk, run + width));
+  const float* qd = q.const_data_ptr<float>();
+  const float* kd = k.const_data_ptr<float>();
+  const float* vd = v.const_data_ptr<float>();
+  const float* od = out.const_data_ptr<float>();
+  const float* dod = dout.const_data_ptr<float>();
+  const float* lhd = lse_hi.const_data_ptr<float>();
+  const float* lld = lse_lo.const_data_ptr<float>();
+  const float* dld = has_dlse ? dlse.const_data_ptr<float>() : nullptr;
+  float* dqd = dq.data_ptr<float>();
+  float* dkd = dk.data_ptr<float>();
+  float* dvd = dv.data_ptr<float>();
+
+  for (int64_t phase = 0; phase < 2; ++phase) {
+    const int64_t nr = (nruns - phase + 1) / 2;  // runs phase, phase + 2, ...
+    at::parallel_for(0, B * Hk * nr, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(block * max_n), ds(block * max_n), t(max_n * block),
+          kt(D * max_panel), vt(Dv * max_panel), drow(block);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c = phase + 2 * (task % nr), bk = task / nr, hk = bk % Hk, b = bk / Hk;
+        const int64_t cq0 = c * run, cq1 = std::min(Lq, cq0 + run);
+        const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, 0, Lk);
+        const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, 0, Lk);
+        const int64_t np = kc1 - kc0;
+        const float* kbase = kd + (b * Hk + hk) * Lk * D;
+        const float* vbase = vd + (b * Hk + hk) * Lk * Dv;
+        float* dkbase = dkd + (b * Hk + hk) * Lk * D;
+        float* dvbase = dvd + (b * Hk + hk) * Lk * Dv;
+        if (np > 0) {
+          transpose_panel(kbase + kc0 * D, np, D, D, kt.data(), np);
+          transpose_panel(vbase + kc0 * Dv, np, Dv, Dv, vt.data(), np);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g, bh = b * H + h;
+          for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
+            const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
+            const int64_t k0 = std::clamp<int64_t>(q0 + lo, 0, Lk);
+            const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, 0, Lk);
+            float* dqp = dqd + (bh * Lq + q0) * D;
+            if (k1 <= k0) {
+              std::fill(dqp, dqp + m * D, 0.f);
+              continue;
+            }
+            const int64_t n = k1 - k0;
+            const float* qp = qd + (bh * Lq + q0) * D;
+            const float* dop = dod + (bh * Lq + q0) * Dv;
+            const float* op = od + (bh * Lq + q0) * Dv;
+            at::native::cpublas::brgemm(m, n, D, D, np, n, false, qp, kt.data() + (k0 - kc0),
+                                        p.data(), false);
+            at::native::cpublas::brgemm(m, n, Dv, Dv, np, n, false, dop,
+                                        vt.data() + (k0 - kc0), ds.data(), false);
+            for (int64_t r = 0; r < m; ++r) {
+              const int64_t row = bh * Lq + q0 + r;
+              const int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
+              const int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+              float* pr = p.data() + r * n;
+              float* dr = ds.data() + r * n;
+              float dsum = at::vec::map2_reduce_all<float>(
+                  [](Vec x, Vec y) { return x * y; }, [](Vec x, Vec y) { return x + y; },
+                  dop + r * Dv, op + r * Dv, Dv);
+              if (has_dlse) dsum -= dld[row];
+              const float lh = lhd[row], ll = lld[row];
+              std::fill(pr, pr + a, 0.f);
+              std::fill(dr, dr + a, 0.f);
+              std::fill(pr + e, pr + n, 0.f);
+              std::fill(dr + e, dr + n, 0.f);
+              const Vec vscale(scale), vlh(lh), vll(ll), vd(dsum);
+              int64_t i = a;
+              for (; i + Vec::size() <= e; i += Vec::size()) {
+                const Vec pv = ((at::vec::fmsub(Vec::loadu(pr + i), vscale, vlh)) - vll).exp_u20();
+                pv.store(pr + i);
+                ((Vec::loadu(dr + i) - vd) * pv * vscale).store(dr + i);
+              }
+              for (; i < e; ++i) {
+                const float pv = std::exp((pr[i] * scale - lh) - ll);
+                pr[i] = pv;
+                dr[i] = (dr[i] - dsum) * pv * scale;
+              }
+            }
+            // dq = scale·dS·K  (dS already carries the scale)
+            at::native::cpublas::brgemm(m, D, n, n, D, D, false, ds.data(), kbase + k0 * D,
+                                        dqp, false);
+            // dv += Pᵀ·dO, dk += scale·dSᵀ·Q: the transposed blocks go through t [n, m]
+            transpose_panel(p.data(), m, n, n, t.data(), m);
+            at::native::cpublas::brgemm(n, Dv, m, m, Dv, Dv, true, t.data(), dop,
+                                        dvbase + k0 * Dv, false);
+            transpose_panel(ds.data(), m, n, n, t.data(), m);
+            at::native::cpublas::brgemm(n, D, m, m, D, D, true, t.data(), qp, dkbase + k0 * D,
+                                        false);
+          }
+        }
+      }
+      at::native::cpublas::brgemm_release(false);
+    });
+  }
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(qkv_native, m) {
   m.def(
       "band_forward(Tensor q, Tensor k, Tensor v, int lo, int hi, float scale, int block, "
       "int chunk) -> (Tensor, Tensor)");
+  m.def(
+      "band_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse_hi, "
+      "Tensor lse_lo, Tensor dlse, int lo, int hi, float scale, int block, int chunk) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(qkv_native, CPU, m) { m.impl("band_forward", &band_forward); }
+TORCH_LIBRARY_IMPL(qkv_native, CPU, m) {
+  m.impl("band_forward", &band_forward);
+  m.impl("band_backward", &band_backward);
+}
