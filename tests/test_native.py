@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -208,3 +210,21 @@ def test_backward_runs_in_the_kernel_with_gradients_through_lse(monkeypatch, hea
     for f, e, p in zip(fast, exact, plain, strict=True):
         err, plain_err = (f.double() - e).abs().max(), (p.double() - e).abs().max()
         assert err <= 3 * plain_err + 1e-5, (float(err), float(plain_err))
+
+
+@needs_compiler
+def test_a_built_kernel_loads_without_the_builder_in_a_new_process():
+    """Once built, a new process loads the library directly (a stamp of source, flags and
+    versions says it is current): no torch.utils.cpp_extension (~1 s, ~80 MiB of imports)
+    and no torch._dynamo (which a decorator would import with qkv)."""
+    assert _native.band_forward_op() is not None  # built (or loaded) in this process
+    code = (
+        "import sys, qkv\n"
+        "from qkv.backends import _native\n"
+        "assert _native.band_forward_op() is not None\n"
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'torch._dynamo') "
+        "if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout

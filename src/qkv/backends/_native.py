@@ -6,9 +6,10 @@ cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the block-sp
 runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which one runs.
 
 - Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
-  ``~/.cache/qkv/native``); later processes load the cached library in milliseconds. The first
-  build takes ~30 s and says so on the ``qkv`` logger. ``python -m qkv.backends._native``
-  builds it ahead of time.
+  ``~/.cache/qkv/native``); later processes load the cached library directly (a stamp of the
+  source, flags and versions says it is current) in milliseconds. The first build takes
+  ~15-30 s and says so on the ``qkv`` logger. ``python -m qkv.backends._native`` builds it
+  ahead of time.
 - The compiler targets the CPU capability torch itself dispatches to (AVX512, AVX2 or plain),
   not ``-march=native``, so a cache shared between machines of one capability stays valid.
 """
@@ -16,6 +17,8 @@ runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -68,11 +71,34 @@ def disabled() -> str | None:
     return None
 
 
+def _flags() -> list[str]:
+    return ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(_capability(), [])]
+
+
+def _stamp() -> str:
+    """What the library was built from: the source, the flags, torch and Python."""
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(repr((_flags(), torch.__version__, sys.version_info[:2])).encode())
+    return h.hexdigest()[:20]
+
+
 def _build() -> Any:
+    """Load the library built for this source, or build it. A process whose library is
+    already built loads it directly (~10 ms); going through torch's builder costs ~1 s and
+    ~80 MiB of imports even when it finds nothing to do."""
+    out = cache_dir()
+    stamp_file = out / "stamp.json"
+    try:
+        got = json.loads(stamp_file.read_text())
+        if got.get("stamp") == _stamp() and Path(got["lib"]).is_file():
+            torch.ops.load_library(got["lib"])
+            _register_fake()
+            return torch.ops.qkv_native.band_forward
+    except Exception:  # no stamp yet, a stale one, an unloadable file: build
+        pass
+
     from torch.utils import cpp_extension
 
-    cap = _capability()
-    out = cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     # torch's builder runs `ninja`; the `ninja` package puts it beside the interpreter, which
     # is not on PATH when the venv is not activated.
@@ -87,11 +113,11 @@ def _build() -> Any:
     os.environ["PATH"] = os.pathsep.join([*extra, path])
     try:
         if not any(out.glob("qkv_native*.so")):
-            _log.warning("qkv: compiling the CPU band kernel once (~30 s), into %s", out)
+            _log.warning("qkv: compiling the CPU band kernel once (~15-30 s), into %s", out)
         cpp_extension.load(
             name="qkv_native",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(cap, [])],
+            extra_cflags=_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(out),
             is_python_module=False,
@@ -99,6 +125,11 @@ def _build() -> Any:
         )
     finally:
         os.environ["PATH"] = path
+    libs = sorted(out.glob("qkv_native*.so"), key=lambda f: f.stat().st_mtime)
+    if libs:
+        tmp = stamp_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stamp": _stamp(), "lib": str(libs[-1])}))
+        tmp.replace(stamp_file)  # atomic: a concurrent reader sees the old or the new stamp
     _register_fake()
     return torch.ops.qkv_native.band_forward
 
@@ -131,10 +162,15 @@ def band_forward_op() -> Any | None:
     op = _state.get("op")
     if op is not None:
         return op
+    if torch.compiler.is_compiling():
+        # file system, environment and a compiler: nothing for dynamo to trace. (Wrapped
+        # here, not with a decorator: that would import torch._dynamo, ~1 s, with qkv.)
+        if "load_eager" not in _state:
+            _state["load_eager"] = torch.compiler.disable(_load)
+        return _state["load_eager"]()
     return _load()
 
 
-@torch.compiler.disable  # file system, environment and a compiler: nothing to trace
 def _load() -> Any | None:
     if disabled() is not None:
         return None
