@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         line = (
             f"{label:<44} {metric} = {value:7.3f} (target {bound} {target:g}) "
             f"{'MET' if ok else 'MISSED'} | qkv {qkv_row.median_s * 1e3:8.1f} ms "
-            f"{qkv_row.gflops:6.1f} GFLOP/s ({qkv_row.peak_frac:.0%} of peak) | "
+            f"{qkv_row.gflops:6.1f} GFLOP/s ({qkv_row.peak_frac:.0%} of peak; "
+            f"{qkv_row.gflops / peak:.0%} of the start's) | "
             f"{other.peer} {other.median_s * 1e3:8.1f} ms"
         )
         if other.peer == "flex":
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 "peer_ms": other.median_s * 1e3,
                 "qkv_gflops": qkv_row.gflops,
                 "qkv_peak_frac": qkv_row.peak_frac,
+                "qkv_start_peak_frac": qkv_row.gflops / peak,
                 "peer_first_s": other.first_s,
             }
         )
