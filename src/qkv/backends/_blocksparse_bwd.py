@@ -88,6 +88,14 @@ def _lse_for_bwd(lse: Tensor) -> Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def lse_hi_lo(lse: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The (float64) lse as ``hi + lo`` in ``dtype``: ``exp((s - hi) - lo)`` loses nothing to
+    the rounding of a large lse (``s - hi`` is exact where it matters, by Sterbenz's lemma)."""
+    lse64 = _lse_for_bwd(lse).double()
+    hi = lse64.to(dtype)
+    return hi, (lse64 - hi.double()).to(dtype)
+
+
 def backward(
     job: Job,
     q: Tensor,
@@ -104,8 +112,9 @@ def backward(
     if job.native_band is not None:  # the compiled band kernel ran the forward: its backward
         from . import _native  # (imported here: `python -m qkv.backends._native` runs it)
 
+        lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
         dq, dk, dv = _native.band_backward(
-            q, k, v, out, dout, lse, dlse, *job.native_band, job.p.scale
+            q, k, v, out, dout, lse_hi, lse_lo, dlse, *job.native_band, job.p.scale
         )
         return Grads.of(job, dq, dk, dv)
     if job.fused:
@@ -242,11 +251,7 @@ def _matmul_backward(
     cdt = p.compute_dtype
     hkv = k.shape[1]
     g = Grads(job, q, k, v, need)
-    # lse (float64) as hi + lo in the compute dtype: exp((s - hi) - lo) loses nothing to the
-    # rounding of a large lse (s - hi is exact where it matters, by Sterbenz's lemma).
-    lse64 = _lse_for_bwd(lse).double()
-    lse_hi = lse64.to(cdt)
-    lse_lo = (lse64 - lse_hi.double()).to(cdt)
+    lse_hi, lse_lo = lse_hi_lo(lse, cdt)
     for pieces in job.bwd.rows:
         if not pieces:
             continue

@@ -195,6 +195,12 @@ BLOCK = 16
 MAX_CHUNK = 32
 
 
+def _chunk(blocks: int, per_thread: int) -> int:
+    """Query blocks per task: enough tasks for every thread (``per_thread`` each), then as
+    many blocks per task as allowed (the fewer tasks, the fewer Kᵀ panels)."""
+    return max(1, min(MAX_CHUNK, blocks // (per_thread * torch.get_num_threads())))
+
+
 def band_forward(
     q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -204,9 +210,7 @@ def band_forward(
     op = band_forward_op()
     if op is None:
         raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
-    # Enough tasks for every thread (4 each), then as many blocks per task as allowed.
-    blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK)
-    chunk = max(1, min(MAX_CHUNK, blocks // (4 * torch.get_num_threads())))
+    chunk = _chunk(q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK), per_thread=4)
     out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
     return out, lse
 
@@ -217,24 +221,22 @@ def band_backward(
     v: Tensor,
     out: Tensor,
     dout: Tensor,
-    lse: Tensor,
+    lse_hi: Tensor,
+    lse_lo: Tensor,
     dlse: Tensor | None,
     lo: int,
     hi: int,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` (float32) of :func:`band_forward`'s band, recomputed from its ``out``
-    and ``lse`` (float64; ``-inf`` on rows without keys) and the upstream ``dout`` and
-    ``dlse`` (``None`` when nothing flowed into the lse)."""
+    and lse (as float32 ``hi + lo`` parts of the float64 lse, rows without keys finite:
+    ``_blocksparse_bwd.lse_hi_lo``) and the upstream ``dout`` and ``dlse`` (``None`` when
+    nothing flowed into the lse)."""
     op = band_forward_op()
     if op is None:
         raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
-    lse64 = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).double()
-    lse_hi = lse64.float()
-    lse_lo = (lse64 - lse_hi.double()).float()
     d = q.new_empty(0) if dlse is None else dlse.float().contiguous()
-    blocks = q.shape[0] * k.shape[1] * -(-q.shape[2] // BLOCK)
-    chunk = max(1, min(MAX_CHUNK, blocks // (8 * torch.get_num_threads())))
+    chunk = _chunk(q.shape[0] * k.shape[1] * -(-q.shape[2] // BLOCK), per_thread=8)
     grads: tuple[Tensor, Tensor, Tensor] = torch.ops.qkv_native.band_backward(
         *(t.contiguous() for t in (q, k, v, out, dout)),
         lse_hi.contiguous(),
