@@ -187,7 +187,6 @@ def _compiled_flex(fn: Any) -> Any:
 # ------------------------------------------------------------------------------ timing
 
 
-_PEAK = "(matmul peak)"
 _PEAK_N = 2048
 
 
@@ -204,6 +203,12 @@ def matmul_peak(threads: int) -> float:
         a @ b
         times.append(time.perf_counter() - t)
     return 2 * _PEAK_N**3 / statistics.median(times) / 1e9
+
+
+def _time(f: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
 
 
 def time_interleaved(
@@ -246,7 +251,8 @@ class Row:
     median_s: float
     first_s: float
     gflops: float
-    peak_frac: float
+    peak_frac: float  # of the matmul peak measured around this case
+    peak_gflops: float = 0.0  # that peak
     vs_sdpa: float | None = None  # peer time / SDPA time in the same run
     runs: list[float] = field(default_factory=list)
 
@@ -257,7 +263,6 @@ def bench_case(
     mode: str,
     args: argparse.Namespace,
     peers: list[str],
-    peak: float,
     notes: list[str],
 ) -> list[Row]:
     import torch
@@ -293,25 +298,25 @@ def bench_case(
             return go
 
         runs = {name: fwd(f) for name, f in fns.items()}
-    # The matmul peak is measured in every round too, between the peers: this VM's clock
-    # and neighbours move it by +-15% within a minute, so each round's GFLOP/s is divided by
-    # the same round's peak (``peak`` is only the fallback when there are no rounds).
+    # The matmul peak is measured again around each case (3 products just before its
+    # rounds, 3 just after; median): this VM's clock and neighbours move it by +-15% within
+    # a minute, so a peak taken at the start of a run can be minutes stale. Not between the
+    # peers: after a 2048² product the BLAS threads keep spinning and slow the next small
+    # call (SDPA at n=64 went from 84 to 260 us).
     mm = torch.randn(_PEAK_N, _PEAK_N, generator=gen)
-    runs[_PEAK] = lambda: mm @ mm
+    mm @ mm
+    peaks = [_time(lambda: mm @ mm) for _ in range(3)]
     times, errors = time_interleaved(runs, args.repeats)
-    peak_runs = times.pop(_PEAK, [])[1:]
+    peaks += [_time(lambda: mm @ mm) for _ in range(3)]
+    case_peak = 2 * _PEAK_N**3 / statistics.median(peaks) / 1e9
     for name, err in errors.items():
         notes.append(f"{name} failed at n={n} {spec.name} {mode}: {err}")
     rows = []
     for name, ts in times.items():
         med = statistics.median(ts[1:])
         g = flops / med / 1e9
-        frac = g / peak
-        if len(peak_runs) == len(ts) - 1 and peak_runs:
-            rounds = zip(ts[1:], peak_runs, strict=True)
-            per_round = [(flops / t) / (2 * _PEAK_N**3 / pt) for t, pt in rounds]
-            frac = statistics.median(per_round)
-        rows.append(Row(n, spec.name, mode, name, med, -ts[0], g, frac, runs=ts[1:]))
+        frac = g / case_peak
+        rows.append(Row(n, spec.name, mode, name, med, -ts[0], g, frac, case_peak, runs=ts[1:]))
     sdpa = next((r for r in rows if r.peer == "sdpa"), None)
     for r in rows:
         if sdpa is not None:
@@ -403,15 +408,16 @@ def run(args: argparse.Namespace) -> int:
     peak = matmul_peak(args.threads)
     print(
         f"qkv bench: torch {torch.__version__}, {args.threads} threads, B={args.batch} "
-        f"H={args.heads} D={args.head_dim} {args.dtype}, matmul peak {peak:.0f} GFLOP/s, "
-        f"median of {args.repeats} interleaved runs"
+        f"H={args.heads} D={args.head_dim} {args.dtype}, matmul peak {peak:.0f} GFLOP/s at "
+        f"the start (%peak: against matmuls timed around each case), median of "
+        f"{args.repeats} interleaved runs"
     )
     cases = [(n, m, mode) for mode in modes for m in masks for n in lengths]
     progress = _Progress(len(cases), not args.no_progress)
     rows: list[Row] = []
     notes: list[str] = []
     for n, m, mode in cases:
-        rows += bench_case(n, m, mode, args, peers, peak, notes)
+        rows += bench_case(n, m, mode, args, peers, notes)
         progress.step(f"{m} n={n} {mode}")
     print(format_table(rows))
     for note in notes:
