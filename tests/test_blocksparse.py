@@ -13,7 +13,7 @@ import torch
 
 import qkv
 from conftest import cuda
-from qkv.backends import _blocksparse_plan as job_mod
+from qkv.backends.blocksparse import plan as job_mod
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 blocksparse = functools.partial(qkv.attention, backend="blocksparse")

@@ -1,4 +1,4 @@
-"""qkv's compiled CPU band kernel (``src/qkv/backends/csrc/band_forward.cpp``) against the
+"""qkv's compiled CPU band kernel (``src/qkv/backends/blocksparse/kernels/band.cpp``) against the
 oracle, and the engine's fallback when it cannot be built.
 
 The kernel is built on first use (~15-30 s once per machine, cached). Where a C++ compiler
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends import _blocksparse_plan as plan_mod
-from qkv.backends import _native
+from qkv.backends.blocksparse import plan as plan_mod
+from qkv.backends.blocksparse import native as _native
 from qkv.masks import _Band
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
@@ -220,7 +220,7 @@ def test_a_built_kernel_loads_without_the_builder_in_a_new_process():
     assert _native.band_forward_op() is not None  # built (or loaded) in this process
     code = (
         "import sys, qkv\n"
-        "from qkv.backends import _native\n"
+        "from qkv.backends.blocksparse import native as _native\n"
         "assert _native.band_forward_op() is not None\n"
         "print(sorted(m for m in ('torch.utils.cpp_extension', 'torch._dynamo') "
         "if m in sys.modules))\n"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validate import Problem, validate
-from .backends._base import Backend
+from .backends.base import Backend
 from .backends.blocksparse import BlocksparseBackend
 from .backends.reference import ReferenceBackend
 from .backends.sdpa import SdpaBackend
@@ -98,7 +98,7 @@ def _auto_skip(name: str, p: Problem) -> str | None:
 
 
 def _native_band_runs(p: Problem) -> bool:
-    from .backends._blocksparse_plan import native_band
+    from .backends.blocksparse.plan import native_band
     from .blockmask import BlockMask
 
     mask = p.mask.mask if isinstance(p.mask, BlockMask) else p.mask

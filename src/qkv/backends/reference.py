@@ -6,7 +6,7 @@ import torch
 
 from .. import reference
 from .._validate import Problem
-from ._base import Backend, score_bytes
+from .base import Backend, score_bytes
 
 Tensor = torch.Tensor
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .._dense import dense_mask
 from .._validate import Problem
 from ..masks import causal
-from ._base import Backend, score_bytes
+from .base import Backend, score_bytes
 
 Tensor = torch.Tensor
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ._blocksparse_fwd import float_mask, fold, pad_last, strided_blocks, unfold
-from ._blocksparse_job import Job, KeyBandGroup, Piece
+from .forward import float_mask, fold, pad_last, strided_blocks, unfold
+from .job import Job, KeyBandGroup, Piece
 
 Tensor = torch.Tensor
 
@@ -110,10 +110,10 @@ def backward(
     """Gradients of one call. ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` are the forward's
     results; ``dlse`` is ``None`` when nothing flowed into the lse."""
     if job.native_band is not None:  # the compiled band kernel ran the forward: its backward
-        from . import _native  # (imported here: `python -m qkv.backends._native` runs it)
+        from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
 
         lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
-        dq, dk, dv = _native.band_backward(
+        dq, dk, dv = native.band_backward(
             q, k, v, out, dout, lse_hi, lse_lo, dlse, *job.native_band, job.p.scale
         )
         return Grads.of(job, dq, dk, dv)

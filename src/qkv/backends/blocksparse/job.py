@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._validate import Problem, check_mask_result, check_score_result, index_tensors
+from ..._validate import Problem, check_mask_result, check_score_result, index_tensors
 
 Tensor = torch.Tensor
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from .._validate import Problem
-from ..blockmask import DEFAULT_BLOCK, BlockMask, block_mask, for_problem
-from ..masks import _And, _Band, _Document, _KvBelow, _Or
-from ._blocksparse_job import BandGroup, Job, KeyBandGroup, Piece, Schedule, Segment, fused_ok
+from ..._validate import Problem
+from ...blockmask import DEFAULT_BLOCK, BlockMask, block_mask, for_problem
+from ...masks import _And, _Band, _Document, _KvBelow, _Or
+from .job import BandGroup, Job, KeyBandGroup, Piece, Schedule, Segment, fused_ok
 
 Tensor = torch.Tensor
 
@@ -121,7 +121,7 @@ def native_band(p: Problem, mask: Any, *, build: bool = True) -> str | None:
     """Why the compiled band kernel (``csrc/band_forward.cpp``) cannot compute this
     problem's forward, or ``None`` if it will. ``build=False`` answers without building it
     (for :func:`qkv.plan`, which must not wait ~30 s on a compiler)."""
-    from . import _native
+    from . import native
 
     why_not_fused = fused_ok(p)
     if why_not_fused is not None:
@@ -139,9 +139,9 @@ def native_band(p: Problem, mask: Any, *, build: bool = True) -> str | None:
     if p.Lq == 0 or p.Lk == 0:
         return "there are no queries or no keys"
     if not build or p.device.type == "meta":
-        return _native.disabled()
-    if _native.band_forward_op() is None:
-        return _native.disabled() or "the compiled kernel could not be loaded"
+        return native.disabled()
+    if native.band_forward_op() is None:
+        return native.disabled() or "the compiled kernel could not be loaded"
     return None
 
 

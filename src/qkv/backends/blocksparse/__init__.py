@@ -26,14 +26,14 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from .._validate import Problem
-from ..blockmask import BlockMask
-from ..masks import _Band
-from ._base import Backend
-from ._blocksparse_bwd import backward
-from ._blocksparse_fwd import forward, row_forward
-from ._blocksparse_job import HiddenDependency, Job, fused_ok
-from ._blocksparse_plan import (
+from ..._validate import Problem
+from ...blockmask import BlockMask
+from ...masks import _Band
+from ..base import Backend
+from .backward import backward
+from .forward import forward, row_forward
+from .job import HiddenDependency, Job, fused_ok
+from .plan import (
     _PIECE_BUDGET,
     _prefix_length,
     _segments,

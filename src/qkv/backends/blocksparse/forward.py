@@ -1,7 +1,7 @@
 """Forward kernels of the block-sparse engine: one piece (a query block against a run of its
 visible keys) at a time, merged per query block by log-sum-exp.
 
-The compiled band kernel (``_native``, ``csrc/band_forward.cpp``) computes a sliding
+The compiled band kernel (``native``, ``kernels/band.cpp``) computes a sliding
 window's whole forward in one call when the plan chose it. Otherwise, two kernel families:
 
 - **fused** (CPU): torch's flash-attention CPU kernel
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._blocksparse_job import BandGroup, Job, Piece
+from .job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
 
@@ -205,9 +205,9 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     p = job.p
     B, Hq, Lq, Dv = p.B, p.Hq, p.Lq, p.Dv
     if job.native_band is not None:
-        from . import _native  # (imported here: `python -m qkv.backends._native` runs it)
+        from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
 
-        out, lse32 = _native.band_forward(q, k, v, *job.native_band, p.scale)
+        out, lse32 = native.band_forward(q, k, v, *job.native_band, p.scale)
         return out, lse32.double()
     if job.fused:
         dm = max(p.D, p.Dv)

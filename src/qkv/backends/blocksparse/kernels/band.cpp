@@ -1,7 +1,7 @@
 // qkv's CPU kernels for band masks (sliding windows): visible iff lo <= k - q <= hi.
 // band_forward computes out and lse; band_backward the gradients from them (below).
 //
-// Built on first use by qkv/backends/_native.py (torch.utils.cpp_extension) and registered
+// Built on first use by qkv/backends/blocksparse/native.py (torch.utils.cpp_extension) and registered
 // as the operator torch.ops.qkv_native.band_forward. float32, contiguous [B, H, L, D] inputs,
 // grouped-query heads (H a multiple of Hkv), D != Dv allowed.
 //

@@ -8,7 +8,7 @@ runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which
 - Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
   ``~/.cache/qkv/native``); later processes load the cached library directly (a stamp of the
   source, flags and versions says it is current) in milliseconds. The first build takes
-  ~15-30 s and says so on the ``qkv`` logger. ``python -m qkv.backends._native`` builds it
+  ~15-30 s and says so on the ``qkv`` logger. ``python -m qkv.backends.blocksparse.native`` builds it
   ahead of time.
 - The compiler targets the CPU capability torch itself dispatches to (AVX512, AVX2 or plain),
   not ``-march=native``, so a cache shared between machines of one capability stays valid.
@@ -31,7 +31,7 @@ import torch
 
 Tensor = torch.Tensor
 
-_SOURCE = Path(__file__).parent / "csrc" / "band_forward.cpp"
+_SOURCE = Path(__file__).parent / "kernels" / "band.cpp"
 _log = logging.getLogger("qkv")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "op": the loaded operator, or "error": why there is none
@@ -251,7 +251,7 @@ def band_backward(
     return grads
 
 
-if __name__ == "__main__":  # build ahead of time: python -m qkv.backends._native
+if __name__ == "__main__":  # build ahead of time: python -m qkv.backends.blocksparse.native
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     got = band_forward_op()
     print(f"qkv compiled kernels: {'ready in ' + str(cache_dir()) if got else disabled()}")
