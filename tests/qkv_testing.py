@@ -16,7 +16,7 @@ import torch
 
 import qkv
 from qkv._dense import apply_score_mod, dense_mask
-from qkv._validate import validate
+from qkv._problem import validate
 
 Tensor = torch.Tensor
 

@@ -163,7 +163,7 @@ def run_case(case: Case, backend: str) -> None:
     score_mod, params = make_score(case.score, case, gen)
     want_lse = backend != "sdpa"
     fn = functools.partial(qkv.attention, backend=backend, return_lse=want_lse)
-    probe = qkv._validate.validate(
+    probe = qkv._problem.validate(
         q, k, v, mask=mask, score_mod=score_mod, return_lse=want_lse
     )  # what the backend would see
     why = BACKENDS[backend].rejects(probe) if backend != "auto" else None
@@ -216,7 +216,7 @@ def test_matrix_covers_every_axis_value() -> None:
         q = torch.zeros(c.B, c.Hq, c.Lq, c.D, dtype=c.dtype)
         k = torch.zeros(c.B, c.Hkv, c.Lk, c.D, dtype=c.dtype)
         v = torch.zeros(c.B, c.Hkv, c.Lk, c.Dv, dtype=c.dtype)
-        p = qkv._validate.validate(
+        p = qkv._problem.validate(
             q, k, v, mask=make_mask(c.mask, c, gen), score_mod=make_score(c.score, c, gen)[0]
         )
         runnable += BACKENDS["sdpa"].rejects(p) is None

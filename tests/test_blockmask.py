@@ -9,12 +9,19 @@ import pytest
 import torch
 
 import qkv
-from qkv import blockmask as bmod
-from qkv.blockmask import EMPTY, FULL, PARTIAL, _evaluate, _Grid
+from qkv import _tiles as tiles
+from qkv._kinds import MaskKind  # the tile planner's private units, tested on purpose
+from qkv._tiles import EMPTY, FULL, PARTIAL, Grid, _evaluate
 
 
 def _evaluated(mod, B, H, Lq, Lk, bs):
-    return _evaluate(mod, _Grid(B, H, Lq, Lk, bs[0], bs[1], torch.device("cpu")))
+    # evaluated position by position (a tensor sliced tile by tile), whatever it is
+    kind = (
+        MaskKind("tensor", mod, tensor=mod)
+        if isinstance(mod, torch.Tensor)
+        else MaskKind("mod", mod)
+    )
+    return _evaluate(kind, Grid(B, H, Lq, Lk, bs[0], bs[1], torch.device("cpu")))
 
 
 def _builtins(n: int) -> list:
@@ -55,7 +62,7 @@ def test_builtins_never_evaluate_positions(monkeypatch):
     def forbidden(mod, g):
         raise AssertionError(f"evaluated {mod!r} position by position")
 
-    monkeypatch.setattr(bmod, "_evaluate", forbidden)
+    monkeypatch.setattr(tiles, "_evaluate", forbidden)
     n = 131072
     for mod in _builtins(n)[:-1]:  # the last one holds an arbitrary mask_mod
         t = time.perf_counter()
@@ -88,7 +95,7 @@ def test_builtins_at_a_million_positions():
 
 def test_arbitrary_mask_mod_is_evaluated_in_bounded_tiles(monkeypatch):
     """A mask_mod without structure is evaluated tile by tile, each call bounded."""
-    monkeypatch.setattr(bmod, "_EVAL_BUDGET", 4096)
+    monkeypatch.setattr(tiles, "EVAL_BUDGET", 4096)
     sizes = []
 
     def dilated(b, h, q_idx, kv_idx):
@@ -125,7 +132,7 @@ def test_bool_tensor_block_mask_and_dims():
     assert bool((bm.states[0] == EMPTY).all())
     assert torch.equal(bm.states, _evaluated(m, 2, 3, 50, 40, (16, 8)))
     # As mask_mod (for dense backends) it reproduces the tensor.
-    b, h, qi, ki = (t for t in qkv._validate.index_tensors(2, 3, (0, 50), (0, 40), m.device))
+    b, h, qi, ki = (t for t in qkv._checks.index_tensors(2, 3, (0, 50), (0, 40), m.device))
     assert torch.equal(bm.mask_mod(b, h, qi, ki), m.expand(2, 3, 50, 40))
 
 
@@ -201,6 +208,6 @@ def test_unsorted_document_ids_are_exact_or_conservative(monkeypatch):
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert torch.equal(bm.states, _evaluated(qkv.document(ids), 1, 1, 64, 64, (16, 16)))
     # Too many documents for the exact plan: every tile partial (correct, skips nothing).
-    monkeypatch.setattr(qkv.masks, "_PRESENCE_CELLS", 1)
+    monkeypatch.setattr(tiles, "_PRESENCE_CELLS", 1)
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert bool((bm.states == PARTIAL).all())

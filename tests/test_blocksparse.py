@@ -257,7 +257,7 @@ def test_mask_mod_builds_a_block_mask_on_the_fly(torch_kernels):
     out = blocksparse(q, k, v, mask=qkv.sliding_window(100))
     want, _ = qkv.reference.attention(q, k, v, mask=qkv.sliding_window(100))
     torch.testing.assert_close(out, want)
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=qkv.sliding_window(100)))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=qkv.sliding_window(100)))
     assert job.fwd.groups and job.bwd.key_groups  # batched band rows; key-major backward
     assert not job.bwd.groups
     assert _work(job.bwd.rows, job.bwd.key_groups) <= 1024 * (101 + 2 * 128)
@@ -273,7 +273,7 @@ def test_band_masks_batched_along_the_band(check, L, window, dtype, torch_kernel
     for both dtypes."""
     q, k, v = _qkv(B=1, Hq=2, Hkv=2, Lq=L[0], Lk=L[1], D=16, Dv=8, dtype=dtype)
     mask = qkv.sliding_window(*window)
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=mask))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=mask))
     assert job.fwd.groups
     check(with_lse, q, k, v, mask=mask)
 
@@ -304,7 +304,7 @@ def test_band_backward_runs_key_major(check, L, window, prebuilt):
     mask: Any = qkv.sliding_window(*window)
     if prebuilt:
         mask = qkv.block_mask(mask, None, None, L[0], L[1], block_size=64)
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=mask))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=mask))
     b = 64 if prebuilt else 128
     bm = mask if prebuilt else job_mod._band_block_mask(mask.lo, mask.hi, L[0], L[1], b)
     want = sorted((i, j) for i, row in enumerate(bm.rows()) for j in row.blocks)
@@ -334,7 +334,7 @@ def test_prefix_lm_as_mask_free_segments(check, L, P):
     """prefix_lm runs as mask-free fused calls (prefix rows; later rows against the prefix
     and, causally, the rest, merged by lse), forward, lse and gradients."""
     q, k, v = _qkv(Lq=L[0], Lk=L[1])
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=qkv.prefix_lm(P)))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=qkv.prefix_lm(P)))
     assert job.segments and not job.fwd.rows
     check(with_lse, q, k, v, mask=qkv.prefix_lm(P))
 
@@ -343,7 +343,7 @@ def test_prefix_lm_as_mask_free_segments(check, L, P):
 def test_sorted_documents_as_mask_free_segments(check, mask):
     q, k, v = _qkv(Lq=300, Lk=300)
     m = _mask(mask, 2, 300, 300, torch.Generator().manual_seed(4))
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=m))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=m))
     assert len(job.segments) >= 2 and not job.fwd.rows
     check(with_lse, q, k, v, mask=m)
 
@@ -498,7 +498,7 @@ def test_pieces_split_and_merge_under_a_small_budget(check, monkeypatch, mask):
     m = qkv.block_mask(
         _mask(mask, 2, 70, 90, torch.Generator().manual_seed(0)), 2, 4, 70, 90, block_size=16
     )
-    job = job_mod.make_job(qkv._validate.validate(q, k, v, mask=m))
+    job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=m))
     assert max(len(r) for r in job.fwd.rows) > 1
     check(with_lse, q, k, v, mask=m)
     # Seeded (it came from the global RNG, so the test depended on the tests before it). With
@@ -595,7 +595,7 @@ def test_dropout_backward_uses_the_forward_pattern(score):
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     s = (qd @ kd.transpose(-2, -1)) / 8**0.5
     if sm is not None:
-        b, h, i, j = qkv._validate.index_tensors(1, 2, (0, L), (0, L), q.device)
+        b, h, i, j = qkv._checks.index_tensors(1, 2, (0, L), (0, L), q.device)
         s = sm(s, b, h, i, j)
     s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
     w = torch.softmax(s, -1) * keep / (1 - p)

@@ -131,7 +131,7 @@ def test_weights_unbatched_and_lse_from_any_backend() -> None:
     q, k, v = torch.randn(9, 16), torch.randn(12, 16), torch.randn(12, 16)
     _, w64 = qkv.reference.attention(q.double(), k.double(), v.double(), scale=0.3)
     # lse from the oracle itself (another "backend"): the rebuild must not care where it came from
-    p = qkv._validate.validate(q.double(), k.double(), v.double(), scale=0.3)
+    p = qkv._problem.validate(q.double(), k.double(), v.double(), scale=0.3)
     _, lse_oracle, _ = qkv.reference.forward(p, dropout_p=0.0)
     _, lse = qkv.attention(q, k, v, scale=0.3, return_lse=True)
     for l in (lse, lse_oracle[0, 0].float()):

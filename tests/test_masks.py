@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qkv
-from qkv._validate import index_tensors
+from qkv._checks import index_tensors
 
 
 def grid(mod, Lq, Lk, B=1, H=1):

@@ -74,7 +74,7 @@ def test_permuting_keys_with_their_values_changes_nothing(prob, data):
     if callable(mask):  # positional masks move with positions; use their dense form
         _, w = qkv.reference.attention(q, k, v, mask=mask)
         from qkv._dense import dense_mask
-        from qkv._validate import validate
+        from qkv._problem import validate
 
         mask = dense_mask(validate(q, k, v, mask=mask)).expand(w.shape)
     perm = torch.tensor(data.draw(st.permutations(range(k.shape[2]))))

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._kinds import band
 from ._positions import _RingPositions, band_covers, mask_at, score_at
-from .masks import _Band, and_masks
+from ._problem import mask_kind
+from .masks import and_masks
 
 if TYPE_CHECKING:
     from .modules import MultiHeadAttention
@@ -280,17 +282,10 @@ class SlidingWindowCache(_Cache):
         v_all = torch.cat((old_v, v), dim=2)  # [B, Hkv, m + Lq, Dv]
         Lk = m + Lq
         # Buffer offsets j - i for the window [q_abs - W + 1, q_abs]: kv_abs - q_abs = j - i - m.
-        window = _Band(m - W + 1, m, f"the last {W} positions")
+        window = band(m - W + 1, m, f"the last {W} positions").mask_mod
         user = mask_at(mask, n, n - m, Lq, Lk)
-        full_mask: object
-        if user is None:
-            full_mask = window
-        elif isinstance(user, _Band):
-            lo = window.lo if user.lo is None else max(user.lo, m - W + 1)
-            hi = window.hi if user.hi is None else min(user.hi, m)
-            full_mask = _Band(lo, hi, f"{user!r} within the last {W} positions")
-        else:
-            full_mask = and_masks(window, user)  # type: ignore[arg-type]
+        # A band under the window stays one band: qkv's classification intersects them.
+        full_mask = window if user is None else and_masks(window, user)  # type: ignore[arg-type]
         score_mod = score_at(score_mod, n, n - m, Lq)
         # The newest `keep` keys stay in the ring. They are written after the attention call
         # (in _advance): writing now would evict keys this chunk's queries may still need if
@@ -326,9 +321,9 @@ class SlidingWindowCache(_Cache):
                 score_at(score_mod, n, 0, 1),
             )
         ring = _RingPositions(n, W)
-        mod = getattr(mask, "mask_mod", mask)
-        if mod is not None and not (isinstance(mod, _Band) and band_covers(mod, -(W - 1), 0)):
-            mask = mask_at(mod, n, ring, 1, W)
+        kind = mask_kind(mask)
+        if not band_covers(kind, -(W - 1), 0) and kind.kind != "none":
+            mask = mask_at(kind.mask_mod, n, ring, 1, W)
         else:  # every slot holds a position in [n - W + 1, n], all visible
             mask = None
         return kb, vb, mask, score_at(score_mod, n, ring, 1)

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .masks import _Band
+from ._kinds import MaskKind, band
+from ._problem import mask_kind
 
 Tensor = torch.Tensor
 
@@ -85,29 +86,30 @@ class _ScoreAt(_MaskAt):
         return self.mod(score, b, h, q_idx + self.q_offset, _kv_abs(self.kv_pos, kv_idx))
 
 
-def band_covers(band: _Band, lo: int, hi: int) -> bool:
-    """True if ``band`` allows every offset ``kv_abs - q_abs`` in ``[lo, hi]``."""
-    return (band.lo is None or band.lo <= lo) and (band.hi is None or band.hi >= hi)
+def band_covers(m: MaskKind, lo: int, hi: int) -> bool:
+    """True if the band ``m`` allows every offset ``kv_abs - q_abs`` in ``[lo, hi]``."""
+    return m.is_band and (m.lo is None or m.lo <= lo) and (m.hi is None or m.hi >= hi)
 
 
-def shift_band(band: _Band, d: int, Lq: int, Lk: int) -> _Band | None:
-    """``band`` over absolute offsets as a band over buffer offsets ``j - i`` when
-    ``kv_abs - q_abs = (j - i) - d``; ``None`` when it lets every pair of ``[Lq, Lk]`` through."""
-    lo = None if band.lo is None else band.lo + d
-    hi = None if band.hi is None else band.hi + d
+def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> object:
+    """The band ``m`` over absolute offsets as a band over buffer offsets ``j - i`` when
+    ``kv_abs - q_abs = (j - i) - d``; ``None`` when it lets every pair of ``[Lq, Lk]`` through.
+    A prefill (``d = 0``) of ``qkv.causal`` stays causal, so it reaches SDPA's ``is_causal``."""
+    lo = None if m.lo is None else m.lo + d
+    hi = None if m.hi is None else m.hi + d
     if (lo is None or lo <= -(Lq - 1)) and (hi is None or hi >= Lk - 1):
         return None
-    return _Band(lo, hi, f"{band!r} at absolute positions (shifted by {d})")
+    return band(lo, hi, f"{m.name} at absolute positions (shifted by {d})").mask_mod
 
 
 def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> object:
     """The mask to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
     if mask is None or isinstance(mask, Tensor):
         return mask  # a tensor already spans the buffer's [Lq, Lk]
-    mod = getattr(mask, "mask_mod", mask)  # a block mask carries its mask_mod
-    if isinstance(mod, _Band) and isinstance(kv_pos, int):
-        return shift_band(mod, q_offset - kv_pos, Lq, Lk)
-    return _MaskAt(mod, q_offset, kv_pos, q_offset + Lq)
+    kind = mask_kind(mask)
+    if kind.is_band and isinstance(kv_pos, int):
+        return shift_band(kind, q_offset - kv_pos, Lq, Lk)
+    return _MaskAt(kind.mask_mod, q_offset, kv_pos, q_offset + Lq)
 
 
 def score_at(score_mod: object, q_offset: int, kv_pos: KvPos, Lq: int) -> object:

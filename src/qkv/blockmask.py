@@ -22,163 +22,13 @@ from typing import Any
 
 import torch
 
-from ._validate import _as_4d, _broadcastable, check_mask_result, index_tensors
+from ._checks import as_4d, broadcastable
+from ._kinds import MaskKind, classify_mask
+from ._tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
 
 Tensor = torch.Tensor
 
 __all__ = ["BlockMask", "block_mask"]
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-DEFAULT_BLOCK = 128
-# Positions evaluated per mask_mod call when a mask has no analytic rule: bounds the memory a
-# mask_mod's temporaries can take (an int64 intermediate of this many elements is 32 MiB).
-_EVAL_BUDGET = 1 << 22
-
-
-class _Grid:
-    """The tiling of a ``[B, H, Lq, Lk]`` score matrix into ``bq x bk`` blocks.
-
-    Built-in masks' ``_block_states(grid)`` read the block bounds from here and call
-    :meth:`from_ranges` / :meth:`classify`.
-    """
-
-    def __init__(
-        self, B: int, H: int, Lq: int, Lk: int, bq: int, bk: int, device: torch.device
-    ) -> None:
-        self.B, self.H, self.Lq, self.Lk, self.bq, self.bk = B, H, Lq, Lk, bq, bk
-        self.device = device
-        self.nq, self.nk = -(-Lq // bq), -(-Lk // bk)
-        self.q_start = torch.arange(self.nq, dtype=torch.int64) * bq  # [nq] first row
-        self.q_last = (self.q_start + bq).clamp(max=Lq) - 1  # [nq] last row
-        self.k_start = torch.arange(self.nk, dtype=torch.int64) * bk  # [nk] first key
-        self.k_last = (self.k_start + bk).clamp(max=Lk) - 1  # [nk] last key
-        self.evaluated: list[str] = []  # names of mask_mods that had to be evaluated
-
-    def from_ranges(
-        self, vis_lo: Tensor, vis_hi: Tensor, full_lo: Tensor, full_hi: Tensor
-    ) -> Tensor:
-        """States from per-row ranges of key-block indices: blocks ``vis_lo..vis_hi`` are
-        visible and, among them, ``full_lo..full_hi`` full. Each bound is ``[..., R]`` (``R``
-        query blocks or 1); the result is int8 ``[..., R, nk]`` left-padded to 4 dims."""
-        j = torch.arange(self.nk, dtype=torch.int64)  # [nk]
-
-        def within(lo: Tensor, hi: Tensor) -> Tensor:
-            return (j >= lo.unsqueeze(-1)) & (j <= hi.unsqueeze(-1))  # [..., R, nk]
-
-        vis = within(vis_lo, vis_hi)
-        states = vis.to(torch.int8) + (vis & within(full_lo, full_hi)).to(torch.int8)
-        while states.ndim < 4:
-            states = states.unsqueeze(0)
-        return states
-
-    def classify(self, mod: Any) -> Tensor:
-        """int8 states broadcastable to ``[B, H, nq, nk]`` for a mask_mod or bool tensor."""
-        rule = getattr(mod, "_block_states", None)
-        if rule is not None and not isinstance(mod, Tensor):
-            states = rule(self)
-            if states is not None:
-                return states
-        self.evaluated.append(_name(mod))
-        return _evaluate(mod, self)
-
-
-def _name(mod: Any) -> str:
-    if isinstance(mod, Tensor):
-        return f"bool tensor {list(mod.shape)}"
-    return getattr(mod, "__name__", None) or type(mod).__name__
-
-
-def _tile_rows(g: _Grid) -> tuple[int, int]:
-    """Rows and columns per evaluation tile (multiples of the block sizes) within the budget."""
-    bh = g.B * g.H
-    cols = g.nk * g.bk
-    rows = max(g.bq, (_EVAL_BUDGET // max(1, bh * cols)) // g.bq * g.bq)
-    if bh * g.bq * cols > _EVAL_BUDGET:  # even one block row is too wide: split the keys too
-        cols = max(g.bk, (_EVAL_BUDGET // (bh * g.bq)) // g.bk * g.bk)
-    return rows, cols
-
-
-def _evaluate(mod: Any, g: _Grid) -> Tensor:
-    """Evaluate a mask_mod (or slice a bool tensor) tile by tile and reduce each block to
-    empty / partial / full. Memory is bounded by ``_EVAL_BUDGET`` positions per tile."""
-    if g.device.type == "meta" or (isinstance(mod, Tensor) and mod.device.type == "meta"):
-        # No data to evaluate (qkv.plan on meta tensors): every block may hold anything.
-        return torch.ones(1, 1, g.nq, g.nk, dtype=torch.int8)
-    if g.Lq == 0 or g.Lk == 0:
-        return torch.zeros(1, 1, g.nq, g.nk, dtype=torch.int8)
-    rows, cols = _tile_rows(g)
-    states: Tensor | None = None
-    for r0 in range(0, g.Lq, rows):
-        r1 = min(g.Lq, r0 + rows)
-        for c0 in range(0, g.Lk, cols):
-            c1 = min(g.Lk, c0 + cols)
-            if isinstance(mod, Tensor):  # 4-D, dims of 1 broadcast
-                rs = slice(r0, r1) if mod.shape[2] > 1 else slice(None)
-                cs = slice(c0, c1) if mod.shape[3] > 1 else slice(None)
-                m = mod[:, :, rs, cs]
-            else:
-                b, h, qi, ki = index_tensors(g.B, g.H, (r0, r1), (c0, c1), g.device)
-                shape = (g.B, g.H, r1 - r0, c1 - c0)
-                m = check_mask_result(mod(b, h, qi, ki), mod, shape)
-            tile = _reduce_tile(m, r1 - r0, c1 - c0, g.bq, g.bk).cpu()  # [b', h', nrb, ncb]
-            if states is None or states.shape[:2] != tile.shape[:2]:
-                lead = (
-                    tile.shape[:2]
-                    if states is None
-                    else torch.broadcast_shapes(states.shape[:2], tile.shape[:2])
-                )
-                new = torch.zeros(*lead, g.nq, g.nk, dtype=torch.int8)
-                if states is not None:
-                    new.copy_(states.expand_as(new))
-                states = new
-            states[
-                :,
-                :,
-                r0 // g.bq : r0 // g.bq + tile.shape[2],
-                c0 // g.bk : c0 // g.bk + tile.shape[3],
-            ] = tile
-    if states is None:  # Lq == 0 or Lk == 0
-        return torch.zeros(1, 1, g.nq, g.nk, dtype=torch.int8)
-    return states
-
-
-def _reduce_tile(m: Tensor, rows: int, cols: int, bq: int, bk: int) -> Tensor:
-    """``m [b', h', rows|1, cols|1]`` bool → int8 states ``[b', h', rows/bq, cols/bk]``
-    (rounded up)."""
-    m = m.expand(m.shape[0], m.shape[1], rows, cols)
-    nr, nc = -(-rows // bq), -(-cols // bk)
-    pr, pc = nr * bq - rows, nc * bk - cols
-    if pr or pc:
-        # Positions past the lengths are not real: they must not make a block "any" visible
-        # nor stop it from being "all" full, so reduce "any" over False and "all" over True.
-        anym = torch.nn.functional.pad(m, (0, pc, 0, pr), value=False)
-        allm = torch.nn.functional.pad(m, (0, pc, 0, pr), value=True)
-    else:
-        anym = allm = m
-    lead = m.shape[:2]
-    anyb = anym.reshape(*lead, nr, bq, nc, bk).any(dim=5).any(dim=3)  # [b', h', nr, nc]
-    allb = allm.reshape(*lead, nr, bq, nc, bk).all(dim=5).all(dim=3)
-    return anyb.to(torch.int8) + allb.to(torch.int8)
-
-
-class _TensorMaskMod:
-    """A bool tensor ``[B|1, H|1, Lq|1, Lk|1]`` seen as a mask_mod (for dense materialisation)."""
-
-    def __init__(self, t: Tensor) -> None:
-        self.t = t
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        t = self.t
-        idx = [
-            i if n > 1 else torch.zeros_like(i)
-            for i, n in zip((b, h, q_idx, kv_idx), t.shape, strict=True)
-        ]
-        return t[idx[0], idx[1], idx[2], idx[3]]
-
-    @property
-    def __name__(self) -> str:
-        return f"bool tensor {list(self.t.shape)}"
 
 
 @dataclass(frozen=True)
@@ -202,12 +52,14 @@ class BlockMask:
         block_size: ``(bq, bk)``.
         states: int8 ``[B|1, H|1, nq, nk]``, 0 = empty, 1 = partial, 2 = full (on the CPU).
         mask_mod: the mask as a mask_mod, for backends that materialise it densely.
+        mask: what it was built from (a bool tensor right-aligned to 4 dims).
+        kind: the mask classified (:class:`qkv._kinds.MaskKind`), with this plan attached.
     """
 
     def __init__(
         self,
         *,
-        mask: Any,
+        kind: MaskKind,
         shape: tuple[int, int, int, int],
         broadcast: tuple[bool, bool],
         block_size: tuple[int, int],
@@ -215,10 +67,9 @@ class BlockMask:
         evaluated: list[str],
         device: torch.device,
     ) -> None:
-        self.mask = mask
-        self.mask_mod: Callable[..., Tensor] = (
-            _TensorMaskMod(mask) if isinstance(mask, Tensor) else mask
-        )
+        self.kind = kind.with_block(self)
+        self.mask: Any = kind.tensor if kind.tensor is not None else kind.source
+        self.mask_mod: Callable[..., Tensor] = kind.mask_mod
         self.shape = shape
         self._broadcast = broadcast
         self.block_size = block_size
@@ -226,6 +77,9 @@ class BlockMask:
         self.evaluated = evaluated
         self.device = device
         self._rows: list[_Row] | None = None
+        # The block-sparse engine's schedules of this plan, by their parameters: a block mask
+        # reused across calls and layers is scheduled once (backends/blocksparse/schedule.py).
+        self.schedules: dict[tuple[Any, ...], Any] = {}
 
     # -- what the planner and the engine read --------------------------------------------
 
@@ -244,7 +98,7 @@ class BlockMask:
         if Lq * Lk == 0:
             return 0.0
         bq, bk = self.block_size
-        g = _Grid(1, 1, Lq, Lk, bq, bk, torch.device("cpu"))
+        g = Grid(1, 1, Lq, Lk, bq, bk, torch.device("cpu"))
         rows = (g.q_last - g.q_start + 1).double()  # [nq]
         cols = (g.k_last - g.k_start + 1).double()  # [nk]
         area = rows.view(-1, 1) * cols.view(1, -1)  # [nq, nk] positions per tile
@@ -258,9 +112,9 @@ class BlockMask:
             self._rows = _schedule(self.states, self.shape[2], self.block_size[0])
         return self._rows
 
-    # -- validation hook (qkv._validate calls it for anything passed as mask=) ------------
+    # -- validation (qkv._problem calls it for a block mask passed as mask=) ---------------
 
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
+    def check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         mB, mH, mLq, mLk = self.shape
         bad = []
         if (mLq, mLk) != (Lq, Lk):
@@ -286,7 +140,7 @@ class BlockMask:
         total = self.states.numel()
         bq, bk = self.block_size
         return (
-            f"BlockMask({_name(self.mask_mod)}, B={B}, H={H}, Lq={Lq}, Lk={Lk}, block {bq}x{bk}: "
+            f"BlockMask({self.kind.name}, B={B}, H={H}, Lq={Lq}, Lk={Lk}, block {bq}x{bk}: "
             f"{total - n['empty']}/{total} tiles visible ({n['partial']} partial), "
             f"block density {self.block_density():.1%})"
         )
@@ -400,15 +254,15 @@ def block_mask(
                 f"block_mask needs a bool tensor (True = may attend) or a mask_mod, got a "
                 f"{mask.dtype} tensor"
             )
-        if not _broadcastable(tuple(mask.shape), (b_, h_, lq, lk)):
+        if not broadcastable(tuple(mask.shape), (b_, h_, lq, lk)):
             raise ValueError(
                 f"mask of shape {tuple(mask.shape)} does not broadcast to [B, H, Lq, Lk] = "
                 f"{[b_, h_, lq, lk]}"
             )
-        mask = _as_4d(mask)
+        mask = as_4d(mask)
         dev = torch.device(device) if device is not None else mask.device
     elif callable(mask):
-        check = getattr(mask, "_check_problem", None)
+        check = getattr(mask, "_check_problem", None)  # built-ins check their own dims
         if check is not None:
             check(b_, h_, lq, lk)
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -417,34 +271,30 @@ def block_mask(
             f"block_mask needs a mask_mod (b, h, q_idx, kv_idx) -> bool or a bool tensor, got "
             f"{type(mask).__name__}"
         )
-    g = _Grid(b_, h_, lq, lk, bq, bk, dev)
-    states = g.classify(mask)
+    return build(classify_mask(mask), (b_, h_, lq, lk), (B is None, H is None), (bq, bk), dev)
+
+
+def build(
+    kind: MaskKind,
+    shape: tuple[int, int, int, int],
+    broadcast: tuple[bool, bool],
+    block_size: tuple[int, int],
+    device: torch.device,
+) -> BlockMask:
+    """The block mask of a classified mask (the engine builds one per call this way)."""
+    b_, h_, lq, lk = shape
+    bq, bk = block_size
+    g = Grid(b_, h_, lq, lk, bq, bk, device)
+    states = g.classify(kind)
     states = states.expand(
         b_ if states.shape[0] > 1 else 1, h_ if states.shape[1] > 1 else 1, g.nq, g.nk
     ).contiguous()
     return BlockMask(
-        mask=mask,
-        shape=(b_, h_, lq, lk),
-        broadcast=(B is None, H is None),
-        block_size=(bq, bk),
+        kind=kind,
+        shape=shape,
+        broadcast=broadcast,
+        block_size=block_size,
         states=states,
         evaluated=g.evaluated,
-        device=dev,
+        device=device,
     )
-
-
-def for_problem(p: Any, block_size: int | tuple[int, int] | None = None) -> BlockMask | None:
-    """The block mask for a validated problem (built once and cached on it), or ``None`` when
-    the problem has no mask."""
-    m = p.mask
-    if m is None:
-        return None
-    if isinstance(m, BlockMask):
-        return m
-    cache = p.__dict__.setdefault("_qkv_block_masks", {})
-    if block_size not in cache:
-        cache[block_size] = block_mask(
-            m, p.B, p.Hq, p.Lq, p.Lk, block_size=block_size, device=p.device
-        )
-    bm: BlockMask = cache[block_size]
-    return bm

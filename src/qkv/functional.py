@@ -1,11 +1,11 @@
-"""``qkv.attention``: validate → plan → backend."""
+"""``qkv.attention``: validate and classify → one plan → the backend executes it."""
 
 from __future__ import annotations
 
 import torch
 
 from . import _recording, planner
-from ._validate import validate
+from ._problem import validate
 
 Tensor = torch.Tensor
 
@@ -78,13 +78,13 @@ def attention(
         dropout_p=dropout_p,
         return_lse=return_lse or recorder is not None,
     )
-    b, _ = planner.select(p, backend)
-    out, lse = b.run(p)
+    plan = planner.decide(p, backend)  # the one decision: backend, kernels, tiles
+    out, lse = plan.execute()
     if recorder is not None:
-        assert lse is not None, f"backend {b.name} returned no lse although it was asked for"
+        assert lse is not None, f"backend {plan.backend} returned no lse although it was asked for"
         recorder.observe(p, lse)
     out = p.restore(out)
     if not return_lse:
         return out
-    assert lse is not None, f"backend {b.name} returned no lse although it was asked for"
+    assert lse is not None, f"backend {plan.backend} returned no lse although it was asked for"
     return out, p.restore_lse(lse)

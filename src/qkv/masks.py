@@ -6,9 +6,10 @@ tensors (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Lq,1]``, ``kv_idx [1,1,1
 per element, so any mask built from comparisons, indexing, ``&``, ``|``, ``~`` and
 ``torch.where`` works without vmap or compile.
 
-The built-ins are small objects rather than plain functions: they also know their structure
-(a band of diagonals, a prefix of keys, equal document ids), which lets the block planner
-classify a block as empty, full or partial without evaluating n² positions.
+The built-ins are small objects rather than plain functions: they also carry their structure
+(a band of diagonals, a prefix of keys, equal document ids). :mod:`qkv._kinds` reads it once
+per call, so the tile planner (:mod:`qkv._tiles`) classifies blocks as empty, full or partial
+without evaluating n² positions, and combinations reach the kernel of the mask they equal.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ._checks import check_mask_result
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -45,14 +48,6 @@ class _BuiltinMask:
     def __name__(self) -> str:  # error messages name a mask_mod by __name__
         return repr(self)
 
-    def _block_states(self, g: Any) -> Tensor | None:
-        """Classify every (query block, key block) pair of the grid ``g`` (a
-        :class:`qkv.blockmask._Grid`) without evaluating positions: an int8 tensor
-        broadcastable to ``[B, H, nq, nk]`` with 0 = empty, 1 = partial, 2 = full, or ``None``
-        when this mask has no analytic rule (the block planner then evaluates it block by block).
-        """
-        return None
-
 
 class _Band(_BuiltinMask):
     """Attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded on that side)."""
@@ -70,23 +65,6 @@ class _Band(_BuiltinMask):
         if lo is not None:
             return d >= lo
         return torch.ones_like(d, dtype=torch.bool)
-
-    def _block_states(self, g: Any) -> Tensor:
-        # Rows r of a query block see keys [r + lo, r + hi]; the union over the block's rows
-        # [qs, ql] is [qs + lo, ql + hi], and a key block [ks, kl] is full iff every row sees
-        # all of it: ks >= ql + lo and kl <= qs + hi. O(nq) arithmetic, then one grid fill.
-        big = g.Lq + g.Lk + 1  # an unbounded side reaches past every index
-        lo = -big if self.lo is None else self.lo
-        hi = big if self.hi is None else self.hi
-        qs, ql = g.q_start, g.q_last  # [nq] first and last row of each query block
-        first_key = (qs + lo).clamp(min=0)
-        last_key = (ql + hi).clamp(max=g.Lk - 1)
-        vis_lo, vis_hi = first_key // g.bk, last_key // g.bk
-        vis_hi = torch.where(first_key > last_key, vis_lo - 1, vis_hi)  # no key at all
-        # Full blocks: k_start[j] >= ql + lo and k_last[j] <= qs + hi.
-        full_lo = torch.searchsorted(g.k_start, ql + lo)  # first j with k_start[j] >= ql + lo
-        full_hi = torch.searchsorted(g.k_last, qs + hi, right=True) - 1
-        return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
 
     def __repr__(self) -> str:
         return self._name
@@ -153,18 +131,6 @@ class _KvBelow(_BuiltinMask):
             return kv_idx < self.limit
         return kv_idx < self._limits(kv_idx.device)[b]
 
-    def _block_states(self, g: Any) -> Tensor:
-        # Key block j is visible iff its first key is below the limit, full iff its last is.
-        if isinstance(self.limit, int):
-            lim = torch.tensor([self.limit], dtype=torch.int64)  # [1]
-        else:
-            lim = self.limit.detach().to("cpu", torch.int64)  # [B]
-        lim = lim.view(-1, 1, 1)  # [B, 1, 1]: one key range per batch element, for every row
-        vis_hi = (lim.clamp(max=g.Lk) + g.bk - 1) // g.bk - 1  # last j with k_start[j] < lim
-        full_hi = torch.searchsorted(g.k_last, lim.view(-1) - 1, right=True).view(-1, 1, 1) - 1
-        zero = torch.zeros_like(vis_hi)
-        return g.from_ranges(zero, vis_hi, zero, full_hi)  # [B, 1, 1, nk]
-
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         if isinstance(self.limit, Tensor) and self.limit.shape[0] != B:
             raise ValueError(
@@ -216,24 +182,6 @@ class _Document(_BuiltinMask):
         ids = self._ids(q_idx.device)
         return ids[q_idx] == ids[kv_idx]
 
-    def _block_states(self, g: Any) -> Tensor:
-        ids = self.ids.detach().to("cpu")[: max(g.Lq, g.Lk)]
-        if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
-            return _document_unsorted(ids, g)
-        # Sorted ids (packed sequences): each block holds the ids [ids[first], ids[last]], and
-        # two blocks share a document iff those ranges overlap. Because ids are sorted, the
-        # visible key blocks of a query block are one contiguous run, found by binary search.
-        qmin, qmax = ids[g.q_start], ids[g.q_last]  # [nq]
-        kmin, kmax = ids[g.k_start], ids[g.k_last]  # [nk], both non-decreasing
-        vis_lo = torch.searchsorted(kmax, qmin)  # first j with kmax[j] >= qmin
-        vis_hi = torch.searchsorted(kmin, qmax, right=True) - 1  # last j with kmin[j] <= qmax
-        # Full: both blocks lie inside one document, the same one.
-        single = qmin == qmax
-        full_lo = torch.searchsorted(kmin, qmin)  # first j with kmin[j] >= qmin
-        full_hi = torch.searchsorted(kmax, qmin, right=True) - 1  # last j with kmax[j] <= qmin
-        full_hi = torch.where(single, full_hi, full_lo - 1)
-        return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
-
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         n = self.ids.shape[0]
         if n < max(Lq, Lk):
@@ -244,36 +192,6 @@ class _Document(_BuiltinMask):
 
     def __repr__(self) -> str:
         return f"qkv.document(<{self.ids.shape[0]} ids>)"
-
-
-# Above this many (query block x key block x document) cells, unsorted document ids are planned
-# conservatively (every block partial) instead of exactly.
-_PRESENCE_CELLS = 1 << 26
-
-
-def _document_unsorted(ids: Tensor, g: Any) -> Tensor:
-    """Block states for unsorted document ids: which documents each block contains (a
-    presence matrix), then a block pair is visible iff they share one. Exact at block level
-    while ``nq * nk * documents`` stays small; otherwise every block is (conservatively)
-    partial, which is correct but skips nothing."""
-    _, code = torch.unique(ids, return_inverse=True)  # [n] document index 0..n_docs-1
-    n_docs = int(code.max()) + 1
-    if g.nq * g.nk * n_docs > _PRESENCE_CELLS:
-        zero = torch.zeros(g.nq, dtype=torch.int64)
-        return g.from_ranges(zero, zero + g.nk - 1, zero, zero - 1)
-
-    def presence(n_blocks: int, length: int, size: int) -> Tensor:
-        pres = torch.zeros(n_blocks, n_docs)  # [n_blocks, n_docs]
-        pos = torch.arange(length)
-        pres[pos // size, code[:length]] = 1.0
-        return pres
-
-    pq, pk = presence(g.nq, g.Lq, g.bq), presence(g.nk, g.Lk, g.bk)
-    vis = (pq @ pk.T) > 0  # [nq, nk]: the blocks share at least one document
-    one_q = (pq.sum(1) == 1).view(-1, 1)  # [nq, 1]: the query block holds a single document
-    one_k = (pk.sum(1) == 1).view(1, -1)  # [1, nk]
-    same = (pq.argmax(1).view(-1, 1) == pk.argmax(1).view(1, -1)) & one_q & one_k
-    return (vis.to(torch.int8) + (vis & same).to(torch.int8)).view(1, 1, g.nq, g.nk)
 
 
 def document(ids: Tensor) -> MaskMod:
@@ -333,13 +251,6 @@ class _Combined(_BuiltinMask):
 
 
 class _And(_Combined):
-    def _block_states(self, g: Any) -> Tensor:
-        # Empty if any part is empty, full only if every part is full: the minimum state.
-        out = g.classify(self.mods[0])
-        for m in self.mods[1:]:
-            out = torch.minimum(out, g.classify(m))
-        return out
-
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
         for m in self.mods[1:]:
@@ -348,13 +259,6 @@ class _And(_Combined):
 
 
 class _Or(_Combined):
-    def _block_states(self, g: Any) -> Tensor:
-        # Full if any part is full, empty only if every part is empty: the maximum state.
-        out = g.classify(self.mods[0])
-        for m in self.mods[1:]:
-            out = torch.maximum(out, g.classify(m))
-        return out
-
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
         for m in self.mods[1:]:
@@ -369,8 +273,6 @@ def _call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> 
     if isinstance(out, bool):
         return torch.tensor(out, device=q_idx.device)
     if not isinstance(out, Tensor) or out.dtype != torch.bool:
-        from ._validate import check_mask_result
-
         shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
         check_mask_result(out, mod, shape)  # raises with the mask_mod's name
     return out

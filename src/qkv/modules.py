@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from . import reference
+from ._problem import validate
 from ._rope import RotaryEmbedding
-from ._validate import validate
 from .functional import attention
 
 if TYPE_CHECKING:

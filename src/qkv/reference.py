@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._dense import apply_score_mod, dense_mask
-from ._validate import Problem, validate
+from ._problem import Problem, validate
 
 Tensor = torch.Tensor
 

@@ -121,7 +121,7 @@ def dense_bool(spec: MaskSpec, n: int) -> Any:
     """The mask as the ``[n, n]`` bool tensor SDPA needs."""
     import torch
 
-    from .._validate import index_tensors
+    from .._checks import index_tensors
 
     b, h, q, k = index_tensors(1, 1, (0, n), (0, n), torch.device("cpu"))
     return spec.mod(b, h, q, k)[0, 0]

@@ -1,6 +1,19 @@
 """Backends: each computes the same contract (see :mod:`qkv.reference`) a different way.
 
-A backend is an object with ``name``, ``rejects(problem) -> str | None`` (why it cannot
-compute this problem exactly, or ``None``), ``extra_memory(problem) -> int`` (bytes it needs
-beyond inputs and output) and ``run(problem) -> (out, lse | None)``.
+The protocol is :class:`qkv.backends.base.Backend`; this registry is the one place that
+lists them. ``backend="auto"`` tries them in ``AUTO_ORDER`` (see :mod:`qkv.planner`).
 """
+
+from __future__ import annotations
+
+from .base import Backend
+from .blocksparse import BlocksparseBackend
+from .reference import ReferenceBackend
+from .sdpa import SdpaBackend
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (SdpaBackend(), BlocksparseBackend(), ReferenceBackend())
+}
+# sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias);
+# blocksparse for everything else (masks, score_mods, lse); the reference as the last resort.
+AUTO_ORDER: list[str] = ["sdpa", "blocksparse", "reference"]

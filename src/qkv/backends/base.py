@@ -1,28 +1,63 @@
+"""The backend protocol: what every backend must say, and the route it hands the planner.
+
+A backend answers three questions about a classified :class:`qkv._problem.Problem`:
+
+- ``rejects(p)``: why it cannot compute ``p`` exactly (``None`` if it can);
+- ``route(p)``: how it will compute it — a frozen :class:`Route` naming the forward and
+  backward kernels, the tiles and the extra memory, and carrying what ``run`` executes;
+- ``run(p, route)``: ``out [B, Hq, Lq, Dv]`` and, when ``p.return_lse``, ``lse [B, Hq, Lq]``.
+
+``route`` is called once per call, by the planner; ``qkv.plan`` prints that route and
+``qkv.attention`` runs that same route, so the explanation cannot drift from what runs.
+A new backend is one file implementing this class plus one line in ``backends/__init__.py``.
+"""
+
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from .._validate import Problem
+from .._problem import Problem
 
 Tensor = torch.Tensor
 
 
-class Backend:
-    """The interface every backend implements (see the package docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """How one backend computes one problem."""
 
-    name: str = ""
+    forward: str  # the forward kernel, for a person
+    backward: str  # the backward kernel (autograd's, or the backend's own)
+    extra_memory: int  # estimated peak bytes beyond inputs and output
+    block: Any = None  # the qkv.BlockMask whose tiles it computes, when it works by tiles
+    notes: tuple[str, ...] = ()
+    detail: Any = None  # backend-private: what ``run`` executes (e.g. the block-sparse job)
 
+
+class Backend(ABC):
+    """The interface every backend implements (see the module docstring)."""
+
+    name: ClassVar[str]
+    # True when the backend materialises Lq x Lk scores, so the dense memory limit applies.
+    materialises_scores: ClassVar[bool] = True
+
+    @abstractmethod
     def rejects(self, p: Problem) -> str | None:
         """Why this backend cannot compute ``p`` exactly, or ``None`` if it can."""
-        raise NotImplementedError
 
-    def extra_memory(self, p: Problem) -> int:
-        """Estimated peak bytes beyond the inputs and the output."""
-        raise NotImplementedError
+    @abstractmethod
+    def route(self, p: Problem, *, dry_run: bool = False) -> Route:
+        """How this backend will compute ``p`` (only called when ``rejects(p)`` is None).
+        ``dry_run`` (for :func:`qkv.plan`): decide without one-off work such as compiling a
+        kernel, and attach what a person needs to see (the tile plan)."""
 
-    def run(self, p: Problem) -> tuple[Tensor, Tensor | None]:
-        """``out [B, Hq, Lq, Dv]`` and, when ``p.return_lse``, ``lse [B, Hq, Lq]`` float32."""
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
+        """Execute ``route``: ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` float32 when
+        ``p.return_lse`` (else ``None``)."""
 
 
 def score_bytes(p: Problem, copies: int) -> int:

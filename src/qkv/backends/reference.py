@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from .._validate import Problem
-from .base import Backend, score_bytes
+from .._problem import Problem
+from .base import Backend, Route, score_bytes
 
 Tensor = torch.Tensor
 
@@ -19,13 +19,19 @@ class ReferenceBackend(Backend):
     def rejects(self, p: Problem) -> str | None:
         return None
 
-    def extra_memory(self, p: Problem) -> int:
+    def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         # scores, exp(scores) and weights live at once (plus a dropout copy when asked), and
-        # autograd keeps about as much again for the backward.
+        # autograd keeps about as much again for the backward; a mask_mod is evaluated densely.
         copies = 3 + (1 if p.dropout_p > 0 else 0)
-        mask = 0 if p.mask is None or isinstance(p.mask, Tensor) else p.B * p.Hq * p.Lq * p.Lk
-        return score_bytes(p, copies) + mask
+        dense = p.mask.kind not in ("none", "tensor")
+        mask = p.B * p.Hq * p.Lq * p.Lk if dense else 0
+        return Route(
+            forward="materialises the full score matrix (the plain formula)",
+            backward="autograd through the plain formula",
+            extra_memory=score_bytes(p, copies) + mask,
+            notes=("the reference materialises all Lq x Lk scores: O(n^2) memory",),
+        )
 
-    def run(self, p: Problem) -> tuple[Tensor, Tensor | None]:
+    def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         out, lse, _ = reference.forward(p, dropout_p=p.dropout_p)
         return out, (lse if p.return_lse else None)

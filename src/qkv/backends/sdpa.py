@@ -1,9 +1,10 @@
 """The SDPA backend: ``torch.nn.functional.scaled_dot_product_attention`` where it computes
 exactly qkv's contract.
 
-It covers no mask, ``qkv.causal`` (SDPA's ``is_causal`` is aligned top-left too), bool masks,
-float biases (in q's dtype), GQA, dropout and ``Dv != D``. It cannot apply a callable
-score_mod or return the log-sum-exp; for those ``qkv.plan`` picks another backend.
+It covers no mask, causal (SDPA's ``is_causal`` is aligned top-left too, whichever object
+spells it: ``qkv.causal``, a KV-cache prefill's shifted band, ``and_masks(causal)``), bool
+masks, float biases (in q's dtype), GQA, dropout and ``Dv != D``. It cannot apply a callable
+score_mod or return the log-sum-exp; for those the planner picks another backend.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .._dense import dense_mask
-from .._validate import Problem
-from ..masks import causal
-from .base import Backend, score_bytes
+from .._problem import Problem
+from .base import Backend, Route, score_bytes
 
 Tensor = torch.Tensor
 
@@ -29,52 +29,43 @@ class SdpaBackend(Backend):
     name = "sdpa"
 
     def rejects(self, p: Problem) -> str | None:
-        sm = p.score_mod
-        if sm is not None and not isinstance(sm, Tensor):
+        if p.score.is_callable:
             return "torch's SDPA cannot apply a callable score_mod (only an additive bias tensor)"
         if p.return_lse:
             return "torch's SDPA does not return the log-sum-exp (return_lse=True)"
         if p.Lk == 0:
             return "torch's SDPA needs at least one key (kv_len is 0)"
-        if isinstance(sm, Tensor) and p.dtype in (torch.float16, torch.bfloat16):
+        if p.score.bias is not None and p.dtype in (torch.float16, torch.bfloat16):
             return f"torch's SDPA would add the bias in {p.dtype}; the contract adds it in float32"
-        if not _SAFE_MASKED_ROWS and p.mask is not None and p.mask is not causal:
+        if not _SAFE_MASKED_ROWS and p.mask.kind not in ("none", "causal"):
             return "torch < 2.5 SDPA gives NaN for fully masked rows"
         return None
 
-    def kernel(self, p: Problem) -> str:
-        """Which of torch's CPU kernels SDPA will use for this problem (a best guess)."""
-        if p.dropout_p > 0:
-            return "math (SDPA's unfused path: dropout)"
-        if isinstance(p.score_mod, Tensor) and p.score_mod.requires_grad:
-            return "math (SDPA's unfused path: a bias that needs a gradient)"
-        if p.Dv != p.D:
-            return "math (SDPA's unfused path: value dim differs from head dim)"
-        return "flash (fused)"
+    def route(self, p: Problem, *, dry_run: bool = False) -> Route:
+        kernel = _kernel(p)
+        dense = _dense_mask_bytes(p)
+        if kernel.startswith("math"):
+            memory = score_bytes(p, 3) + dense
+        else:
+            memory = dense + p.B * p.Hq * p.Lq * 4
+        if p.mask.kind == "causal":
+            forward = f"{kernel}, is_causal"
+        elif p.mask.kind == "none":
+            forward = kernel
+        elif p.mask.tensor is not None:
+            forward = f"{kernel}, the bool mask as a dense float mask"
+        else:
+            forward = f"{kernel}, the mask evaluated into a dense [Lq, Lk] tensor every call"
+        return Route(forward=forward, backward="torch's SDPA backward", extra_memory=memory)
 
-    def _dense_mask_bytes(self, p: Problem) -> int:
-        m = p.mask
-        if m is None or m is causal:
-            return 0
-        n = p.B * p.Hq * p.Lq * p.Lk
-        # SDPA turns a bool mask into an additive float mask of q's dtype; a mask_mod is first
-        # evaluated into a bool tensor of up to the full score shape.
-        own = 0 if isinstance(m, Tensor) else n
-        return own + n * p.q.element_size()
-
-    def extra_memory(self, p: Problem) -> int:
-        if self.kernel(p).startswith("math"):
-            return score_bytes(p, 3) + self._dense_mask_bytes(p)
-        return self._dense_mask_bytes(p) + p.B * p.Hq * p.Lq * 4
-
-    def run(self, p: Problem) -> tuple[Tensor, Tensor | None]:
+    def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         q, k, v = p.q, p.k, p.v
-        is_causal = p.mask is causal
+        is_causal = p.mask.kind == "causal"
         attn_mask: Tensor | None = None
-        if p.mask is not None and not is_causal:
+        if p.mask.kind not in ("none", "causal"):
             attn_mask = dense_mask(p)
-        if isinstance(p.score_mod, Tensor):
-            bias = p.score_mod.to(q.dtype)
+        if p.score.bias is not None:
+            bias = p.score.bias.to(q.dtype)
             if is_causal:  # SDPA takes is_causal or attn_mask, not both
                 attn_mask = torch.ones(p.Lq, p.Lk, dtype=torch.bool, device=q.device).tril()
                 is_causal = False
@@ -99,3 +90,24 @@ class SdpaBackend(Backend):
             **kwargs,
         )  # [B, Hq, Lq, Dv]
         return out, None
+
+
+def _kernel(p: Problem) -> str:
+    """Which of torch's CPU kernels SDPA will use for this problem (a best guess)."""
+    if p.dropout_p > 0:
+        return "math (SDPA's unfused path: dropout)"
+    if p.score.bias is not None and p.score.bias.requires_grad:
+        return "math (SDPA's unfused path: a bias that needs a gradient)"
+    if p.Dv != p.D:
+        return "math (SDPA's unfused path: value dim differs from head dim)"
+    return "flash (fused)"
+
+
+def _dense_mask_bytes(p: Problem) -> int:
+    if p.mask.kind in ("none", "causal"):
+        return 0
+    n = p.B * p.Hq * p.Lq * p.Lk
+    # SDPA turns a bool mask into an additive float mask of q's dtype; a mask_mod is first
+    # evaluated into a bool tensor of up to the full score shape.
+    own = 0 if p.mask.tensor is not None else n
+    return own + n * p.q.element_size()

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from .. import _recording
-from .._validate import Problem
+from .._kinds import classify_score
+from .._problem import Problem, mask_kind
 from ._stats import Stats, stats_of_problem
 from ._weights import Index, check_index, row_weights
 
@@ -62,8 +63,8 @@ class Capture:
             q=self.q,
             k=self.k,
             v=self.k[..., :0],  # never read: weights need only q, k and lse
-            mask=self.mask,
-            score_mod=self.score_mod,
+            mask=mask_kind(self.mask),
+            score=classify_score(self.score_mod),
             scale=self.scale,
             dropout_p=0.0,
             return_lse=True,
@@ -109,12 +110,13 @@ class Recording:
         p: Problem = problem
         layer = _recording.LAYER.get()
         lse = lse.detach()
+        mask, score_mod = p.mask.given, p.score.given  # what the call was given
         if self.keep == "stats":
             det = dataclasses.replace(p, q=p.q.detach(), k=p.k.detach())
             st = stats_of_problem(det, lse, self.top_k)
-            cap = Capture(layer, None, None, lse, p.mask, p.score_mod, p.scale, st)
+            cap = Capture(layer, None, None, lse, mask, score_mod, p.scale, st)
         else:
-            cap = Capture(layer, p.q.detach(), p.k.detach(), lse, p.mask, p.score_mod, p.scale)
+            cap = Capture(layer, p.q.detach(), p.k.detach(), lse, mask, score_mod, p.scale)
         self.captures.append(cap)
 
     @property

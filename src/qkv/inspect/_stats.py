@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validate import Problem
+from .._problem import Problem
 from ._weights import check_problem, restore, scores
 
 Tensor = torch.Tensor

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._validate import Problem, check_mask_result, check_score_result, validate
+from .._checks import check_mask_result, check_score_result
+from .._problem import Problem, validate
 
 Tensor = torch.Tensor
 Index = int | Sequence[int] | Tensor | None
@@ -127,18 +128,16 @@ def scores(
     qi = rows.view(1, 1, -1, 1)  # [1, 1, r, 1]
     ki = torch.arange(k0, k1, device=p.device).view(1, 1, 1, -1)  # [1, 1, 1, bk]
     shape = tuple(s.shape)
-    sm = p.score_mod
-    if isinstance(sm, Tensor):
-        s = s + _take(sm, heads, rows, k0, k1).to(cdt)
-    elif sm is not None:
-        s = check_score_result(sm(s, b, hi, qi, ki), sm, shape, cdt)
-    m = p.mask
+    sc, m = p.score, p.mask
+    if sc.bias is not None:
+        s = s + _take(sc.bias, heads, rows, k0, k1).to(cdt)
+    elif sc.score_mod is not None:
+        s = check_score_result(sc.score_mod(s, b, hi, qi, ki), sc.score_mod, shape, cdt)
     allowed: Tensor | None = None
-    if isinstance(m, Tensor):
-        allowed = _take(m, heads, rows, k0, k1)
-    elif m is not None:
-        mod = getattr(m, "mask_mod", None) or m  # a block mask carries its mask_mod
-        allowed = check_mask_result(mod(b, hi, qi, ki), mod, shape)
+    if m.tensor is not None:
+        allowed = _take(m.tensor, heads, rows, k0, k1)
+    elif m.kind != "none":
+        allowed = check_mask_result(m.mask_mod(b, hi, qi, ki), m.mask_mod, shape)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, heads][:, :, rows].to(cdt).unsqueeze(-1)  # [B, h, r, 1]

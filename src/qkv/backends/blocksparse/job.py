@@ -4,18 +4,22 @@ A *piece* is one query block against a run of its visible key blocks; a *band gr
 run of query blocks with the same band pattern, computed by one fused call; a *segment* is a
 mask-free fused call. A :class:`Job` holds everything the forward and backward kernels need
 besides q, k, v: the schedule, the mask source, the score_mod or bias, dropout seeds, and
-which kernel family runs. ``_blocksparse_plan`` builds it.
+which kernel family runs. ``plan.py`` builds it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..._validate import Problem, check_mask_result, check_score_result, index_tensors
+from ..._checks import check_mask_result, check_score_result, index_tensors
+from ..._kinds import MaskKind
+from ..._problem import Problem
+from ...blockmask import BlockMask
 
 Tensor = torch.Tensor
 
@@ -111,39 +115,59 @@ class Schedule:
 # (top-left aligned inside the segment) or not.
 Segment = tuple[int, int, int, int, bool]
 
+# How a call is computed, decided once by plan.py:
+#   segments    - mask-free fused calls (no mask, causal, prefix-LM, sorted documents)
+#   native_band - qkv's compiled band kernel (sliding windows, float32 CPU)
+#   band_groups - torch's fused kernel on query blocks batched along a band
+#   pieces      - per query block, its visible key blocks (fused, or explicit matmuls)
+ROUTES = ("segments", "native_band", "band_groups", "pieces")
 
-@dataclass
+
+class Watch:
+    """Set for the first score_mod call of a call that may need gradients: ``check(out, s)``
+    says whether the score_mod's output depends on a learnable tensor the engine does not
+    know about (see autograd.py). Used once, then cleared."""
+
+    def __init__(self, check: Callable[[Tensor, Tensor], bool]) -> None:
+        self.check: Callable[[Tensor, Tensor], bool] | None = check
+
+
+EMPTY_SCHEDULE = Schedule([], [])
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Job:
-    """Everything the kernels need for one call, besides the tensors."""
+    """Everything the kernels need for one call besides the tensors: the route the plan chose
+    (``route``, one of :data:`ROUTES`), its schedule and the mask and score sources. Frozen:
+    the plan decides it once; ``run`` adds the per-call values (dropout seed, the tensors a
+    score_mod closes over) with :meth:`for_run`."""
 
     p: Problem
+    route: str
     fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
-    segments: list[Segment]  # mask-free fused calls covering the problem (else empty)
-    fwd: Schedule  # what the forward computes (pieces and band groups)
-    mask_src: Any  # None, a 4-D bool tensor, or a mask_mod
-    bias: Tensor | None  # 4-D float bias
-    score_mod: Any  # callable or None
-    seed: int  # dropout seed for this call (drawn from torch's default generator)
-    mask_dims: tuple[int, int]  # (b', h') the mask varies over
-    params: list[Tensor] = field(default_factory=list)  # tensors a score_mod closes over
-    # Set for the first score_mod call of a call that may need gradients: given the score_mod's
-    # output and its score input (under autograd), True if the output depends on a learnable
-    # tensor the engine does not know about (see blocksparse.py).
-    hidden_check: Callable[[Tensor, Tensor], bool] | None = None
-    # The backward's schedule when it differs from the forward's (band masks: see make_job),
-    # built on first use.
+    segments: tuple[Segment, ...] = ()  # mask-free fused calls covering the problem
+    fwd: Schedule = field(default_factory=lambda: EMPTY_SCHEDULE)  # pieces and band groups
+    # The backward's schedule when it differs from the forward's (band masks), built on
+    # first use so that inference never plans it.
     bwd_build: Callable[[], Schedule] | None = None
-    _bwd: Schedule | None = None
-    # (lo, hi) when the compiled band kernel computes the forward (``fwd`` is then empty).
-    native_band: tuple[int, int] | None = None
+    native_band: tuple[int, int] | None = None  # (lo, hi) for the compiled band kernel
+    mask: MaskKind | None = None  # evaluated on partial tiles (None: every tile is full)
+    bias: Tensor | None = None  # 4-D float bias
+    score_mod: Any = None  # callable or None
+    mask_dims: tuple[int, int] = (1, 1)  # (b', h') the mask varies over
+    block: BlockMask | None = None  # the tile plan the schedule was cut from
+    # Per call (for_run):
+    seed: int = 0  # dropout seed (drawn from torch's default generator)
+    params: tuple[Tensor, ...] = ()  # tensors a score_mod closes over
+    watch: Watch | None = None
 
-    @property
+    @functools.cached_property
     def bwd(self) -> Schedule:
-        if self.bwd_build is None:
-            return self.fwd
-        if self._bwd is None:
-            self._bwd = self.bwd_build()
-        return self._bwd
+        return self.fwd if self.bwd_build is None else self.bwd_build()
+
+    def for_run(self, **per_call: Any) -> Job:
+        """This job with the per-call values set."""
+        return replace(self, **per_call)
 
     # -- masks -------------------------------------------------------------------------
 
@@ -159,7 +183,8 @@ class Job:
         q0, k0 = g.i0 * g.b, (g.i0 + g.c) * g.b
         b, h, qi, _ = index_tensors(1, 1, (q0, q0 + g.b), (0, 0), device)
         ki = torch.arange(k0, k0 + span, device=device).view(1, 1, 1, -1)  # [1, 1, 1, span]
-        m = check_mask_result(self.mask_src(b, h, qi, ki), self.mask_src, (1, 1, g.b, span))
+        mod = self._mask_mod()
+        m = check_mask_result(mod(b, h, qi, ki), mod, (1, 1, g.b, span))
         m = m.expand(1, 1, g.b, span)
         fmask, dead = None, None
         if not bool(m.all()):
@@ -182,7 +207,8 @@ class Job:
         q0, k0 = (g.j0 + g.c) * g.b, g.j0 * g.b
         b, h, qi, _ = index_tensors(1, 1, (q0, q0 + rows), (0, 0), device)
         ki = torch.arange(k0, k0 + g.b, device=device).view(1, 1, 1, -1)  # [1, 1, 1, b]
-        m = check_mask_result(self.mask_src(b, h, qi, ki), self.mask_src, (1, 1, rows, g.b))
+        mod = self._mask_mod()
+        m = check_mask_result(mod(b, h, qi, ki), mod, (1, 1, rows, g.b))
         m = m.expand(1, 1, rows, g.b)
         fmask = None
         if not bool(m.all()):
@@ -191,10 +217,14 @@ class Job:
         g.masks[(device, dtype)] = fmask
         return fmask
 
+    def _mask_mod(self) -> Any:
+        assert self.mask is not None
+        return self.mask.mask_mod
+
     def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
         """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the
         piece is visible to every row. Only the partial key blocks are evaluated."""
-        if not pc.masked or self.mask_src is None:
+        if not pc.masked or self.mask is None:
             return None
         rows = pc.q1 - pc.q0
         if (
@@ -221,9 +251,10 @@ class Job:
         device: torch.device,
         rows: int,
     ) -> Tensor:
-        src = self.mask_src
+        assert self.mask is not None
+        src = self.mask.tensor
         p = self.p
-        if isinstance(src, Tensor):
+        if src is not None:  # a bool tensor is sliced
             rs = slice(q0, q1) if src.shape[2] > 1 else slice(None)
             if src.shape[3] == 1:
                 m = src[:, :, rs, :]
@@ -239,7 +270,8 @@ class Job:
             ki = torch.arange(*krange, device=device).view(1, 1, 1, -1)  # [1, 1, 1, k1-k0]
         b, h, qi, _ = index_tensors(p.B, p.Hq, (q0, q1), (0, 0), device)
         shape = (p.B, p.Hq, rows, ki.shape[-1])
-        m = check_mask_result(src(b, h, qi, ki), src, shape)
+        mod = self.mask.mask_mod
+        m = check_mask_result(mod(b, h, qi, ki), mod, shape)
         return m.expand(m.shape[0], m.shape[1], rows, ki.shape[-1])
 
     # -- score_mod / bias ----------------------------------------------------------------
@@ -260,7 +292,9 @@ class Job:
         p = self.p
         b, h, qi, _ = index_tensors(p.B, p.Hq, (pc.q0, pc.q1), (0, 0), s.device)
         ki = pc.key_positions(s.device).view(1, 1, 1, -1)  # [1, 1, 1, span]
-        check, self.hidden_check = self.hidden_check, None
+        check = self.watch.check if self.watch is not None else None
+        if self.watch is not None:
+            self.watch.check = None
         if check is None:
             out = self.score_mod(s, b, h, qi, ki)
         else:  # the first call: watch which learnable tensors the output depends on
@@ -284,10 +318,10 @@ def fused_ok(p: Problem) -> str | None:
     """Why torch's fused CPU flash kernel cannot run this problem's pieces, or ``None``."""
     if p.device.type not in ("cpu", "meta"):  # meta: `qkv plan` describing a CPU run
         return f"tensors are on {p.device.type} (the fused flash kernel used here is CPU-only)"
-    if p.score_mod is not None and not isinstance(p.score_mod, Tensor):
+    if p.score.is_callable:
         return "a callable score_mod is applied block by block with explicit matmuls"
-    if isinstance(p.score_mod, Tensor):
-        if p.score_mod.requires_grad and torch.is_grad_enabled():
+    if p.score.bias is not None:
+        if p.score.bias.requires_grad and torch.is_grad_enabled():
             return "the bias needs a gradient, which the fused kernel does not return"
         if p.dtype in (torch.float16, torch.bfloat16):
             return "the contract adds the bias in float32; the fused kernel adds it in q's dtype"

@@ -8,8 +8,8 @@ runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which
 - Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
   ``~/.cache/qkv/native``); later processes load the cached library directly (a stamp of the
   source, flags and versions says it is current) in milliseconds. The first build takes
-  ~15-30 s and says so on the ``qkv`` logger. ``python -m qkv.backends.blocksparse.native`` builds it
-  ahead of time.
+  ~15-30 s and says so on the ``qkv`` logger. ``python -m qkv.backends.blocksparse.native``
+  builds it ahead of time.
 - The compiler targets the CPU capability torch itself dispatches to (AVX512, AVX2 or plain),
   not ``-march=native``, so a cache shared between machines of one capability stays valid.
 """

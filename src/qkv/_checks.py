@@ -1,15 +1,14 @@
-"""Input checks and the normalised problem every backend receives.
+"""Value checks shared by every entry point, and the index tensors mods are called with.
 
 Every check runs before any attention arithmetic, and every error names the values it got and
 what would work (STYLE.md rule 9). Shapes and values raise ``ValueError``; types raise
-``TypeError``.
+``TypeError``. :mod:`qkv._problem` puts them together at the door of :func:`qkv.attention`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,114 +16,7 @@ import torch
 Tensor = torch.Tensor
 
 # The dtypes attention is defined for. Half types are accumulated in float32 (DESIGN.md).
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass
-class Problem:
-    """One attention call, normalised to 4-D ``[B, H, L, D]`` views.
-
-    ``mask`` is ``None``, a bool tensor already shaped for broadcasting against
-    ``[B, Hq, Lq, Lk]``, a mask_mod callable, or a block mask. ``score_mod`` is ``None``, a
-    float bias tensor broadcastable to ``[B, Hq, Lq, Lk]``, or a callable.
-    """
-
-    q: Tensor  # [B, Hq, Lq, D]
-    k: Tensor  # [B, Hkv, Lk, D]
-    v: Tensor  # [B, Hkv, Lk, Dv]
-    mask: Any
-    score_mod: Any
-    scale: float
-    dropout_p: float
-    return_lse: bool
-    orig_ndim: int
-
-    @property
-    def B(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def Hq(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def Hkv(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def Lq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def Lk(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def D(self) -> int:
-        return self.q.shape[3]
-
-    @property
-    def Dv(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def groups(self) -> int:
-        """Query heads per key/value head (1 for plain multi-head attention)."""
-        return self.Hq // self.Hkv
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.q.dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """float64 stays float64; everything else accumulates in float32."""
-        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The full score shape ``[B, Hq, Lq, Lk]``."""
-        return (self.B, self.Hq, self.Lq, self.Lk)
-
-    def requires_grad(self) -> bool:
-        """True when autograd will need a backward through this call."""
-        if not torch.is_grad_enabled():
-            return False
-        tensors = [self.q, self.k, self.v]
-        if isinstance(self.score_mod, Tensor):
-            tensors.append(self.score_mod)
-        if any(t.requires_grad for t in tensors):
-            return True
-        # A callable score_mod may close over learnable tensors we cannot see.
-        return callable(self.score_mod)
-
-    def restore(self, out: Tensor) -> Tensor:
-        """Undo the unbatched normalisation: ``[1, 1, L, Dv]`` → ``[L, Dv]`` etc."""
-        if self.orig_ndim == 2:
-            return out[0, 0]  # [Lq, Dv]
-        if self.orig_ndim == 3:
-            return out[0]  # [Hq, Lq, Dv]
-        return out
-
-    def restore_lse(self, lse: Tensor) -> Tensor:
-        if self.orig_ndim == 2:
-            return lse[0, 0]  # [Lq]
-        if self.orig_ndim == 3:
-            return lse[0]  # [Hq, Lq]
-        return lse
-
-    def index_tensors(
-        self, q_range: tuple[int, int] | None = None, kv_range: tuple[int, int] | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Broadcastable int64 ``b [B,1,1,1]``, ``h [1,Hq,1,1]``, ``q_idx [1,1,Lq,1]``,
-        ``kv_idx [1,1,1,Lk]`` (or the given sub-ranges), as mask_mods and score_mods get them."""
-        return index_tensors(
-            self.B, self.Hq, q_range or (0, self.Lq), kv_range or (0, self.Lk), self.device
-        )
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def index_tensors(
@@ -138,16 +30,13 @@ def index_tensors(
     return b, h, qi, ki
 
 
-# ----------------------------------------------------------------------------- input tensors
-
-
-def _check_tensor(name: str, t: object) -> Tensor:
+def check_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor, got {type(t).__name__}; "
             f"wrap it with torch.as_tensor(..., dtype=torch.float32)"
         )
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} has dtype {t.dtype}; attention needs a floating dtype "
             f"(float16, bfloat16, float32 or float64): convert it with {name}.float()"
@@ -155,8 +44,8 @@ def _check_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor, int]:
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+def check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor, int]:
+    q, k, v = check_tensor("q", q), check_tensor("k", k), check_tensor("v", v)
     ndims = (q.ndim, k.ndim, v.ndim)
     if q.ndim not in (2, 3, 4):
         raise ValueError(
@@ -212,7 +101,7 @@ def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor,
     return q, k, v, orig
 
 
-def _check_scale(scale: object, D: int) -> float:
+def check_scale(scale: object, D: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D) if D > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -222,7 +111,7 @@ def _check_scale(scale: object, D: int) -> float:
     return float(scale)
 
 
-def _check_dropout(p: object) -> float:
+def check_dropout(p: object) -> float:
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
@@ -230,20 +119,20 @@ def _check_dropout(p: object) -> float:
     return float(p)
 
 
-def _broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     if len(shape) > len(target):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
-def _as_4d(t: Tensor) -> Tensor:
+def as_4d(t: Tensor) -> Tensor:
     """Right-align a mask/bias of up to 4 dims against ``[B, Hq, Lq, Lk]``."""
     while t.ndim < 4:
         t = t.unsqueeze(0)
     return t
 
 
-def _check_mask_tensor(mask: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
+def check_mask_tensor(mask: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
     if mask.dtype != torch.bool:
         if mask.is_floating_point():
             raise TypeError(
@@ -256,16 +145,16 @@ def _check_mask_tensor(mask: Tensor, q: Tensor, target: tuple[int, int, int, int
         )
     if mask.device != q.device:
         raise ValueError(f"mask is on {mask.device} but q is on {q.device}; use mask.to(q.device)")
-    if not _broadcastable(tuple(mask.shape), target):
+    if not broadcastable(tuple(mask.shape), target):
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, Lq, Lk] = "
             f"{list(target)}; give it shape [Lq, Lk] = [{target[2]}, {target[3]}] or any "
             f"shape broadcastable to the scores"
         )
-    return _as_4d(mask)
+    return as_4d(mask)
 
 
-def _check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
+def check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int]) -> Tensor:
     if not bias.is_floating_point():
         raise TypeError(
             f"score_mod tensor has dtype {bias.dtype}; an additive bias must be floating "
@@ -275,13 +164,13 @@ def _check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int
         raise ValueError(
             f"score_mod bias is on {bias.device} but q is on {q.device}; use bias.to(q.device)"
         )
-    if not _broadcastable(tuple(bias.shape), target):
+    if not broadcastable(tuple(bias.shape), target):
         raise ValueError(
             f"score_mod bias of shape {tuple(bias.shape)} does not broadcast to "
             f"[B, Hq, Lq, Lk] = {list(target)}; give it shape [Lq, Lk] = "
             f"[{target[2]}, {target[3]}] or any shape broadcastable to the scores"
         )
-    return _as_4d(bias)
+    return as_4d(bias)
 
 
 def check_mask_result(result: object, mod: Callable[..., Any], shape: tuple[int, ...]) -> Tensor:
@@ -299,13 +188,13 @@ def check_mask_result(result: object, mod: Callable[..., Any], shape: tuple[int,
             f"mask_mod {name} returned a {result.dtype} tensor; it must return bools "
             f"(True = may attend), e.g. compare with >=, == or use .bool()"
         )
-    if not _broadcastable(tuple(result.shape), shape):
+    if not broadcastable(tuple(result.shape), shape):
         raise ValueError(
             f"mask_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
             f"to the block {list(shape)} it was asked for; index only with its b, h, q_idx, "
             f"kv_idx arguments so the result broadcasts"
         )
-    return _as_4d(result)
+    return as_4d(result)
 
 
 def check_score_result(
@@ -320,72 +209,9 @@ def check_score_result(
         )
     if not result.is_floating_point():
         raise TypeError(f"score_mod {name} returned dtype {result.dtype}; it must return floats")
-    if not _broadcastable(tuple(result.shape), shape):
+    if not broadcastable(tuple(result.shape), shape):
         raise ValueError(
             f"score_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
             f"to the scores {list(shape)}; return a tensor shaped like its score argument"
         )
     return result.to(dtype)
-
-
-def _check_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -> object:
-    if mask is None:
-        return None
-    if isinstance(mask, Tensor):
-        return _check_mask_tensor(mask, q, target)
-    checker = getattr(mask, "_check_problem", None)
-    if checker is not None:  # built-in masks and block masks know their own constraints
-        checker(*target)
-        return mask
-    if callable(mask):
-        return mask
-    raise TypeError(
-        f"mask must be None, a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool, "
-        f"or a block mask; got {type(mask).__name__}"
-    )
-
-
-def _check_score_mod(score_mod: object, q: Tensor, target: tuple[int, int, int, int]) -> object:
-    if score_mod is None:
-        return None
-    if isinstance(score_mod, Tensor):
-        return _check_bias_tensor(score_mod, q, target)
-    checker = getattr(score_mod, "_check_problem", None)
-    if checker is not None:
-        checker(*target)
-        return score_mod
-    if callable(score_mod):
-        return score_mod
-    raise TypeError(
-        f"score_mod must be None, a float bias tensor, or a callable "
-        f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"
-    )
-
-
-def validate(
-    q: object,
-    k: object,
-    v: object,
-    *,
-    mask: object = None,
-    score_mod: object = None,
-    scale: object = None,
-    dropout_p: object = 0.0,
-    return_lse: object = False,
-) -> Problem:
-    """Check every argument of :func:`qkv.attention` and build the normalised problem."""
-    q4, k4, v4, orig = _check_qkv(q, k, v)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
-    target = (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])
-    return Problem(
-        q=q4,
-        k=k4,
-        v=v4,
-        mask=_check_mask(mask, q4, target),
-        score_mod=_check_score_mod(score_mod, q4, target),
-        scale=_check_scale(scale, q4.shape[3]),
-        dropout_p=_check_dropout(dropout_p),
-        return_lse=return_lse,
-        orig_ndim=orig,
-    )
