@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qkv._cli import bench
+from qkv._cli import bench, bench_cases
 from qkv.cli import main
 
 
@@ -51,8 +51,8 @@ def test_visible_pair_counts_match_the_masks():
 
     args = SimpleNamespace(window=16, docs=5, prefix=20)
     for name in bench.MASKS:
-        spec = bench.make_mask(name, 100, args)
+        spec = bench_cases.make_mask(name, 100, args)
         if spec.mod is None:
             assert spec.pairs == 100 * 100
             continue
-        assert spec.pairs == int(bench.dense_bool(spec, 100).sum()), name
+        assert spec.pairs == int(bench_cases.dense_bool(spec, 100).sum()), name

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.backends.blocksparse import plan as plan_mod
 from qkv.backends.blocksparse import native as _native
+from qkv.backends.blocksparse import plan as plan_mod
 from qkv.masks import _Band
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
