@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from . import reference
-from ._rope import RotaryEmbedding
 from ._validate import validate
 from .functional import attention
+from .rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from ._cache import KVCache, SlidingWindowCache
+    from .cache import KVCache, SlidingWindowCache
 
 Tensor = torch.Tensor
 
