@@ -7,18 +7,16 @@ given. Heads are a tensor dimension (``[B, H, L, D]``), never a Python loop.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import reference
+from . import _torch_mha, reference
 from ._validate import validate
+from .cache import KVCache, SlidingWindowCache
 from .functional import attention
 from .rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from .cache import KVCache, SlidingWindowCache
 
 Tensor = torch.Tensor
 
@@ -263,6 +261,7 @@ class MultiHeadAttention(nn.Module):
             xq, xk, xv = xq[None], xk[None], xv[None]  # [1, L, width]
         B, Lq, _ = xq.shape
         Lk = xk.shape[1]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if cache is not None:
             if x_kv is not None:
                 raise ValueError(
@@ -270,8 +269,18 @@ class MultiHeadAttention(nn.Module):
                     "cross-attention the context is fixed, so project it once and pass the "
                     "same x_kv every step"
                 )
-            cache._check_step(self, B, Lq, mask, score_mod)
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+            w = self.k_proj.weight
+            cache._check_step(
+                self,
+                B=B,
+                Hkv=Hkv,
+                D=D,
+                dtype=w.dtype,
+                device=w.device,
+                Lq=Lq,
+                mask=mask,
+                score_mod=score_mod,
+            )
 
         q = self.q_proj(xq).view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
         k = self.k_proj(xk).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
@@ -345,9 +354,9 @@ class MultiHeadAttention(nn.Module):
             >>> torch.allclose(mha(x), t(x, x, x)[0], atol=1e-6)
             True
         """
-        from ._torch_mha import from_torch
-
-        return from_torch(cls, m)
+        new = cls(**_torch_mha.constructor_args(m))
+        _torch_mha.copy_from_torch(m, new)
+        return new.train(m.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` with this module's weights (copies).
@@ -356,6 +365,4 @@ class MultiHeadAttention(nn.Module):
         RoPE and no qk_norm. Raises ``ValueError`` naming the option otherwise. Masks translate
         as described in :meth:`from_torch`.
         """
-        from ._torch_mha import to_torch
-
-        return to_torch(self, batch_first=batch_first)
+        return _torch_mha.to_torch(self, batch_first=batch_first)
