@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_mha, reference
-from ._validate import validate
+from . import _recording, _torch_mha, inspect
 from .cache import KVCache, SlidingWindowCache
 from .functional import attention
 from .rope import RotaryEmbedding
@@ -33,7 +32,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
     """Multi-head attention: self, causal or cross, with GQA, RoPE and a KV cache.
 
     Computes, with ``H = n_heads``, ``D = d_model // n_heads`` and ``Hkv = n_kv_heads``::
@@ -246,9 +245,14 @@ class MultiHeadAttention(nn.Module):
                 self-attention decoding: the new keys/values are appended and the queries
                 attend to everything cached. Masks and score_mods then see *absolute*
                 positions (see :class:`qkv.KVCache`).
-            need_weights: also return the attention weights ``[B, H, Lq, Lk]`` (softmax
-                probabilities before dropout, exact, from the :mod:`qkv.reference` path,
-                which materialises them).
+            need_weights: also return the attention weights ``[B, H, Lq, Lk]``: the softmax
+                probabilities, rebuilt exactly from the lse of the same :func:`qkv.attention`
+                call (:func:`qkv.inspect.weights`), so the fast backend still computes the
+                output and :func:`qkv.inspect.record` sees the call. Dense by definition:
+                ``O(B·H·Lq·Lk)`` memory. In training with ``dropout > 0`` they are the
+                probabilities *before* dropout (rows sum to 1), whereas
+                ``torch.nn.MultiheadAttention`` returns the dropped-out, rescaled weights it
+                multiplied ``v`` with.
 
         Returns:
             ``out [B, Lq, d_model]`` (``[Lq, d_model]`` unbatched), or ``(out, weights)``.
@@ -295,11 +299,15 @@ class MultiHeadAttention(nn.Module):
 
         p_drop = self.dropout if self.training else 0.0
         weights: Tensor | None = None
+        res = attention(
+            q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop, return_lse=need_weights
+        )
         if need_weights:
-            prob = validate(q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop)
-            o, _, weights = reference.forward(prob, dropout_p=p_drop)  # [B, H, Lq, D]
+            o, lse = res  # [B, H, Lq, D], [B, H, Lq]
+            # The rows are renormalised (exp(s - lse) / its sum), so lse cancels out of the
+            # weights and their gradient: it is only the stabiliser, and needs no gradient.
+            weights = inspect.weights(q, k, lse=lse.detach(), mask=mask, score_mod=score_mod)
         else:
-            res = attention(q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop)
             assert isinstance(res, Tensor)
             o = res
         if cache is not None:
@@ -343,7 +351,8 @@ class MultiHeadAttention(nn.Module):
             qkv:   mha(q, kv, mask=qkv.causal)
 
         torch's ``need_weights=True, average_attn_weights=False`` weights ``[B, H, Lq, Lk]``
-        equal qkv's ``need_weights=True`` weights (``.mean(1)`` gives torch's default average).
+        equal qkv's ``need_weights=True`` weights (``.mean(1)`` gives torch's default average)
+        without dropout; in training with dropout torch returns them after dropout, qkv before.
 
         Example::
 
