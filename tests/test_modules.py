@@ -113,6 +113,72 @@ def test_fully_masked_rows_give_bias_only_output():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize(
+    ("mask", "score_mod"),
+    [
+        (None, None),
+        (qkv.causal, qkv.alibi(qkv.alibi_slopes(6))),
+        (qkv.sliding_window(5), None),
+        (qkv.padding(torch.tensor([37, 0])), None),  # the second batch element: all masked
+    ],
+    ids=["nomask", "causal-alibi", "window", "all-masked"],
+)
+def test_need_weights_and_their_gradients_match_plain_module(mask, score_mod):
+    """The weights are rebuilt from the lse of the qkv.attention call: weights and output vs
+    the float64 plain module within 2x of plain float32's error, and the gradients of both
+    (random upstream grads) into every parameter within 3x."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(48, 6, n_kv_heads=2, bias=True, rope=True)
+    x = torch.randn(2, 37, 48)
+    names = [n for n, _ in mha.named_parameters()]
+    p64 = {n: t.detach().double().requires_grad_() for n, t in mha.named_parameters()}
+    p32 = {n: t.detach().clone().requires_grad_() for n, t in mha.named_parameters()}
+    kw = dict(mask=mask, score_mod=score_mod)
+    out, w = mha(x, need_weights=True, **kw)
+    o64, w64 = plain_mha(mha, x, params=p64, **kw)
+    o32, w32 = plain_mha(mha, x, params=p32, dtype=torch.float32, **kw)
+    assert w.shape == (2, 6, 37, 37) and w.dtype == torch.float32
+    assert _err(out, o64) <= 2 * _err(o32, o64) + 1e-6, (_err(out, o64), _err(o32, o64))
+    assert _err(w, w64) <= 2 * _err(w32, w64) + 1e-7, (_err(w, w64), _err(w32, w64))
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dw = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+    torch.autograd.backward((out, w), (do.float(), dw.float()))
+    g64 = torch.autograd.grad((o64, w64), [p64[n] for n in names], (do, dw))
+    g32 = torch.autograd.grad((o32, w32), [p32[n] for n in names], (do.float(), dw.float()))
+    params = dict(mha.named_parameters())
+    for n, a64, a32 in zip(names, g64, g32, strict=True):
+        g = params[n].grad
+        assert g is not None and float(g.abs().max()) > 0, f"no gradient reached {n}"
+        assert _err(g, a64) <= 3 * _err(a32, a64) + 1e-5, (n, _err(g, a64), _err(a32, a64))
+
+
+def test_record_sees_need_weights_calls():
+    """need_weights=True runs qkv.attention (with return_lse=True), so qkv.inspect.record
+    captures the call, and the capture's weights are the ones the module returned."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, n_kv_heads=2, rope=True)
+    x = torch.randn(2, 11, 32)
+    mask = qkv.and_masks(qkv.causal, qkv.padding(torch.tensor([11, 7])))
+    with qkv.inspect.record(mha) as rec:
+        out, w = mha(x, mask=mask, need_weights=True)
+        plain_out = mha(x, mask=mask)
+    assert [c.layer for c in rec] == ["", ""]  # the recorded module itself
+    cap = rec[0]
+    assert cap.q is not None and cap.q.shape == (2, 4, 11, 8)
+    assert cap.k is not None and cap.k.shape == (2, 2, 11, 8)
+    assert _err(cap.weights(), w) <= 1e-7
+    assert _err(cap.weights(rows=[10], heads=[1]), w[:, 1:2, 10:11]) <= 1e-7
+    assert _err(out, plain_out) < 1e-6
+    o64, w64 = plain_mha(mha, x, mask=mask)
+    assert _err(w, w64) < 1e-6 and _err(out, o64) < 1e-5
+    # Inside a model, the call is named by the layer that made it.
+    model = torch.nn.ModuleDict({"attn": mha})
+    with qkv.inspect.record(model) as rec:
+        _, w_again = model["attn"](x, mask=mask, need_weights=True)
+    assert rec.layers == ["attn"] and torch.equal(w_again, w)
+
+
 # ---------------------------------------------------------------- the module's own behaviour
 
 
@@ -185,11 +251,16 @@ def test_dropout_only_in_training():
     torch.manual_seed(1)
     a = mha(x)
     torch.manual_seed(1)
-    _, w = mha(x, need_weights=True)
+    a_w, w = mha(x, need_weights=True)
     assert _err(a, ref(x)) > 1e-3  # dropout acted
     assert torch.allclose(w.sum(-1), torch.ones(2, 4, 8))  # weights are pre-dropout probs
     torch.manual_seed(2)
     assert _err(mha(x), a) > 1e-3
+    # With the weights too, dropout still acts on the output, and the weights are the eval
+    # mode's (before dropout; torch.nn.MultiheadAttention would return them after dropout).
+    assert _err(a_w, ref(x)) > 1e-3
+    _, w_eval = ref(x, need_weights=True)
+    assert _err(w, w_eval) < 1e-7
 
 
 def test_state_dict_round_trip():

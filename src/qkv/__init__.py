@@ -4,13 +4,13 @@ The public surface is what this module re-exports (``__all__``); everything else
 """
 
 from . import inspect, models, reference
-from ._cache import KVCache, SlidingWindowCache
-from ._rope import RotaryEmbedding
 from .blockmask import BlockMask, block_mask
+from .cache import KVCache, SlidingWindowCache
 from .functional import attention
 from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
 from .modules import MultiHeadAttention
 from .planner import Plan, plan, set_dense_limit
+from .rope import RotaryEmbedding
 from .scores import alibi, alibi_slopes, relative_bias, softcap
 
 __version__ = "0.1.0"

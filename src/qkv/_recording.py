@@ -24,6 +24,15 @@ class Observer(Protocol):
         """Called by ``qkv.attention`` with the normalised problem and its ``lse [B, Hq, Lq]``."""
 
 
+class AttentionLayer:
+    """Base of the modules that name a layer in a recording (``qkv.MultiHeadAttention``).
+
+    ``qkv.inspect.record`` hooks the submodules that are instances of it. It lives here, below
+    both, so that ``qkv.inspect`` finds them without importing the module layer, which imports
+    ``qkv.inspect`` (for ``need_weights=True``).
+    """
+
+
 # The recorder that wants every qkv.attention call in this context, or None.
 ACTIVE: ContextVar[Observer | None] = ContextVar("qkv_recorder", default=None)
 # The name of the innermost recorded attention module whose forward is running.

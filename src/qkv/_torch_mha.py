@@ -3,22 +3,55 @@
 torch keeps the three in-projections either packed (``in_proj_weight [3E, E]``, rows q|k|v) or
 separate (``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight`` when kdim/vdim differ from
 ``embed_dim``), with one packed ``in_proj_bias [3E]``; ``out_proj`` is a ``Linear``.
+
+``qkv.modules`` imports this file for ``MultiHeadAttention.from_torch`` / ``to_torch``, so this
+file does not import it back: it reads and writes a qkv module only through :class:`Layer`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .modules import MultiHeadAttention
-
 Tensor = torch.Tensor
 
 
-def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> MultiHeadAttention:
+class Layer(Protocol):
+    """What the conversions use of a ``qkv.MultiHeadAttention``."""
+
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def kdim(self) -> int: ...
+    @property
+    def vdim(self) -> int: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def training(self) -> bool: ...
+    @property
+    def rope(self) -> object: ...
+    @property
+    def q_norm(self) -> object: ...
+    @property
+    def q_proj(self) -> nn.Linear: ...
+    @property
+    def k_proj(self) -> nn.Linear: ...
+    @property
+    def v_proj(self) -> nn.Linear: ...
+    @property
+    def out_proj(self) -> nn.Linear: ...
+
+
+def constructor_args(m: nn.MultiheadAttention) -> dict[str, Any]:
+    """The ``qkv.MultiHeadAttention(...)`` arguments that reproduce ``m``, after refusing the
+    options qkv does not model."""
     if not isinstance(m, nn.MultiheadAttention):
         raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}")
     if m.bias_k is not None or m.bias_v is not None:
@@ -31,7 +64,6 @@ def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> Multi
             "this torch.nn.MultiheadAttention has add_zero_attn=True (a zero key/value appended "
             "to every sequence), which qkv.MultiHeadAttention does not model"
         )
-    E = m.embed_dim
     has_in_bias = m.in_proj_bias is not None
     has_out_bias = m.out_proj.bias is not None
     if has_in_bias != has_out_bias:
@@ -40,16 +72,21 @@ def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> Multi
             f"{has_out_bias}; qkv's bias= flag covers all four projections together"
         )
     w = m.out_proj.weight
-    new = cls(
-        E,
-        m.num_heads,
-        kdim=m.kdim,
-        vdim=m.vdim,
-        bias=has_in_bias,
-        dropout=float(m.dropout),
-        device=w.device,
-        dtype=w.dtype,
-    )
+    return {
+        "d_model": m.embed_dim,
+        "n_heads": m.num_heads,
+        "kdim": m.kdim,
+        "vdim": m.vdim,
+        "bias": has_in_bias,
+        "dropout": float(m.dropout),
+        "device": w.device,
+        "dtype": w.dtype,
+    }
+
+
+def copy_from_torch(m: nn.MultiheadAttention, new: Layer) -> None:
+    """Copy ``m``'s weights into ``new``, made with :func:`constructor_args`."""
+    has_in_bias = m.in_proj_bias is not None
     with torch.no_grad():
         if m._qkv_same_embed_dim:
             assert m.in_proj_weight is not None
@@ -67,11 +104,9 @@ def from_torch(cls: type[MultiHeadAttention], m: nn.MultiheadAttention) -> Multi
             new.k_proj.bias.copy_(bk)
             new.v_proj.bias.copy_(bv)
             new.out_proj.bias.copy_(m.out_proj.bias)
-    new.train(m.training)
-    return new
 
 
-def to_torch(mha: MultiHeadAttention, *, batch_first: bool) -> nn.MultiheadAttention:
+def to_torch(mha: Layer, *, batch_first: bool) -> nn.MultiheadAttention:
     if mha.n_kv_heads != mha.n_heads:
         raise ValueError(
             f"torch.nn.MultiheadAttention has no grouped-query attention, but this module has "

@@ -7,18 +7,15 @@ given. Heads are a tensor dimension (``[B, H, L, D]``), never a Python loop.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import reference
-from ._problem import validate
-from ._rope import RotaryEmbedding
+from . import _recording, _torch_mha, inspect
+from .cache import KVCache, SlidingWindowCache
 from .functional import attention
-
-if TYPE_CHECKING:
-    from ._cache import KVCache, SlidingWindowCache
+from .rope import RotaryEmbedding
 
 Tensor = torch.Tensor
 
@@ -35,7 +32,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
     """Multi-head attention: self, causal or cross, with GQA, RoPE and a KV cache.
 
     Computes, with ``H = n_heads``, ``D = d_model // n_heads`` and ``Hkv = n_kv_heads``::
@@ -248,9 +245,14 @@ class MultiHeadAttention(nn.Module):
                 self-attention decoding: the new keys/values are appended and the queries
                 attend to everything cached. Masks and score_mods then see *absolute*
                 positions (see :class:`qkv.KVCache`).
-            need_weights: also return the attention weights ``[B, H, Lq, Lk]`` (softmax
-                probabilities before dropout, exact, from the :mod:`qkv.reference` path,
-                which materialises them).
+            need_weights: also return the attention weights ``[B, H, Lq, Lk]``: the softmax
+                probabilities, rebuilt exactly from the lse of the same :func:`qkv.attention`
+                call (:func:`qkv.inspect.weights`), so the fast backend still computes the
+                output and :func:`qkv.inspect.record` sees the call. Dense by definition:
+                ``O(B·H·Lq·Lk)`` memory. In training with ``dropout > 0`` they are the
+                probabilities *before* dropout (rows sum to 1), whereas
+                ``torch.nn.MultiheadAttention`` returns the dropped-out, rescaled weights it
+                multiplied ``v`` with.
 
         Returns:
             ``out [B, Lq, d_model]`` (``[Lq, d_model]`` unbatched), or ``(out, weights)``.
@@ -263,6 +265,7 @@ class MultiHeadAttention(nn.Module):
             xq, xk, xv = xq[None], xk[None], xv[None]  # [1, L, width]
         B, Lq, _ = xq.shape
         Lk = xk.shape[1]
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if cache is not None:
             if x_kv is not None:
                 raise ValueError(
@@ -270,8 +273,18 @@ class MultiHeadAttention(nn.Module):
                     "cross-attention the context is fixed, so project it once and pass the "
                     "same x_kv every step"
                 )
-            cache._check_step(self, B, Lq, mask, score_mod)
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+            w = self.k_proj.weight
+            cache._check_step(
+                self,
+                B=B,
+                Hkv=Hkv,
+                D=D,
+                dtype=w.dtype,
+                device=w.device,
+                Lq=Lq,
+                mask=mask,
+                score_mod=score_mod,
+            )
 
         q = self.q_proj(xq).view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
         k = self.k_proj(xk).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
@@ -286,11 +299,15 @@ class MultiHeadAttention(nn.Module):
 
         p_drop = self.dropout if self.training else 0.0
         weights: Tensor | None = None
+        res = attention(
+            q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop, return_lse=need_weights
+        )
         if need_weights:
-            prob = validate(q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop)
-            o, _, weights = reference.forward(prob, dropout_p=p_drop)  # [B, H, Lq, D]
+            o, lse = res  # [B, H, Lq, D], [B, H, Lq]
+            # The rows are renormalised (exp(s - lse) / its sum), so lse cancels out of the
+            # weights and their gradient: it is only the stabiliser, and needs no gradient.
+            weights = inspect.weights(q, k, lse=lse.detach(), mask=mask, score_mod=score_mod)
         else:
-            res = attention(q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop)
             assert isinstance(res, Tensor)
             o = res
         if cache is not None:
@@ -334,7 +351,8 @@ class MultiHeadAttention(nn.Module):
             qkv:   mha(q, kv, mask=qkv.causal)
 
         torch's ``need_weights=True, average_attn_weights=False`` weights ``[B, H, Lq, Lk]``
-        equal qkv's ``need_weights=True`` weights (``.mean(1)`` gives torch's default average).
+        equal qkv's ``need_weights=True`` weights (``.mean(1)`` gives torch's default average)
+        without dropout; in training with dropout torch returns them after dropout, qkv before.
 
         Example::
 
@@ -345,9 +363,9 @@ class MultiHeadAttention(nn.Module):
             >>> torch.allclose(mha(x), t(x, x, x)[0], atol=1e-6)
             True
         """
-        from ._torch_mha import from_torch
-
-        return from_torch(cls, m)
+        new = cls(**_torch_mha.constructor_args(m))
+        _torch_mha.copy_from_torch(m, new)
+        return new.train(m.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
         """A ``torch.nn.MultiheadAttention`` with this module's weights (copies).
@@ -356,6 +374,4 @@ class MultiHeadAttention(nn.Module):
         RoPE and no qk_norm. Raises ``ValueError`` naming the option otherwise. Masks translate
         as described in :meth:`from_torch`.
         """
-        from ._torch_mha import to_torch
-
-        return to_torch(self, batch_first=batch_first)
+        return _torch_mha.to_torch(self, batch_first=batch_first)

@@ -4,8 +4,10 @@ How it works: ``qkv.attention`` reads one ContextVar (``qkv._recording.ACTIVE``)
 While a recording is active it asks its backend for the lse as well (so the planner picks an
 lse-capable backend) and hands the normalised problem and the lse to the recorder, which keeps
 detached q, k and lse (or only the statistics). Forward hooks on each
-``qkv.MultiHeadAttention`` submodule set a second ContextVar to the module's name, so every
-capture knows which layer made it. The caller still gets exactly what it asked for.
+``qkv.MultiHeadAttention`` submodule (found as a ``qkv._recording.AttentionLayer``: this
+package does not import the module layer, which imports it) set a second ContextVar to the
+module's name, so every capture knows which layer made it. The caller still gets exactly
+what it asked for.
 """
 
 from __future__ import annotations
@@ -142,9 +144,8 @@ class Recording:
 
 
 def _attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    from .. import modules  # imported here: the inspect package must not need the module layer
-
-    return [(n, m) for n, m in module.named_modules() if isinstance(m, modules.MultiHeadAttention)]
+    subs: list[tuple[str, nn.Module]] = list(module.named_modules())
+    return [(n, m) for n, m in subs if isinstance(m, _recording.AttentionLayer)]
 
 
 @contextmanager
@@ -159,8 +160,8 @@ def record(
     asked for. Calls inside a ``qkv.MultiHeadAttention`` submodule of ``module`` are named by
     that submodule's dotted name. Recordings nest: an inner one takes the calls until it ends.
     A call that names ``backend="sdpa"`` explicitly fails while recording (SDPA cannot return
-    the lse). Calls made with ``need_weights=True`` take the reference path, not
-    ``qkv.attention``, and are not recorded.
+    the lse). Calls made with ``need_weights=True`` are recorded like any other (the module
+    computes them with ``qkv.attention`` and rebuilds the weights from the lse).
 
     Args:
         module: the model (any ``nn.Module``).

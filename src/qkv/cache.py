@@ -13,7 +13,7 @@ instead, so gradients reach earlier steps correctly; wrap decoding in ``torch.no
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -21,9 +21,6 @@ from ._kinds import band
 from ._positions import _RingPositions, band_covers, mask_at, score_at
 from ._problem import mask_kind
 from .masks import and_masks
-
-if TYPE_CHECKING:
-    from .modules import MultiHeadAttention
 
 Tensor = torch.Tensor
 
@@ -54,20 +51,32 @@ class _Cache:
             self._k, self._v = self._k.detach(), self._v.detach()
 
     def _check_step(
-        self, module: MultiHeadAttention, B: int, Lq: int, mask: object, score_mod: object
+        self,
+        layer: object,
+        *,
+        B: int,
+        Hkv: int,
+        D: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        Lq: int,
+        mask: object,
+        score_mod: object,
     ) -> None:
-        """Refuse a step before anything is computed; allocate the buffers on first use."""
+        """Refuse a step of ``layer`` (the attention module calling, which will append keys
+        ``[B, Hkv, Lq, D]`` of ``dtype`` on ``device``) before anything is computed; allocate
+        the buffers on first use. The cache knows its layer only by identity: it reads no
+        attribute of it, so this module does not depend on the module layer above it."""
         owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner is not module:
+        if owner is not None and owner is not layer:
             raise ValueError(
                 f"this {type(self).__name__} already holds {self.length} tokens of another "
                 f"attention layer; a cache belongs to one layer: make one per layer, or "
                 f"reset() it first"
             )
-        w = module.k_proj.weight
-        spec = (B, module.n_kv_heads, self._capacity, module.head_dim)
+        spec = (B, Hkv, self._capacity, D)
         k = self._k
-        if k is not None and k.shape == spec and (k.dtype, k.device) == (w.dtype, w.device):
+        if k is not None and k.shape == spec and (k.dtype, k.device) == (dtype, device):
             if k.is_inference() and not torch.is_inference_mode_enabled():
                 if self.length > 0:
                     raise RuntimeError(
@@ -80,15 +89,15 @@ class _Cache:
             raise ValueError(
                 f"this {type(self).__name__} holds {self.length} tokens of batch size "
                 f"{k.shape[0]}, {k.dtype}, on {k.device}; the new input has batch size {B}, "
-                f"{w.dtype}, on {w.device}: reset() the cache to start a new sequence"
+                f"{dtype}, on {device}: reset() the cache to start a new sequence"
             )
         else:
             k = None
         if k is None:  # the one allocation, to the full capacity
-            self._k = torch.zeros(spec, dtype=w.dtype, device=w.device)
-            self._v = torch.zeros(spec, dtype=w.dtype, device=w.device)
+            self._k = torch.zeros(spec, dtype=dtype, device=device)
+            self._v = torch.zeros(spec, dtype=dtype, device=device)
         self._check_room(Lq)
-        self._owner = weakref.ref(module)
+        self._owner = weakref.ref(layer)
 
     def _check_room(self, Lq: int) -> None:
         pass
@@ -246,11 +255,9 @@ class SlidingWindowCache(_Cache):
     def __repr__(self) -> str:
         return f"qkv.SlidingWindowCache(window={self.window}, length={self.length})"
 
-    def _check_step(
-        self, module: MultiHeadAttention, B: int, Lq: int, mask: object, score_mod: object
-    ) -> None:
+    def _check_step(self, layer: object, *, mask: object, score_mod: object, **step: Any) -> None:
         self._check_no_tensors(mask, score_mod)
-        super()._check_step(module, B, Lq, mask, score_mod)
+        super()._check_step(layer, mask=mask, score_mod=score_mod, **step)
 
     @staticmethod
     def _check_no_tensors(mask: object, score_mod: object) -> None:
