@@ -1,8 +1,8 @@
 """qkv's compiled CPU kernels: C++ built on first use with torch's extension builder.
 
-One kernel so far: ``band_forward`` (``csrc/band_forward.cpp``), the forward of band masks
-(sliding windows) on float32 CPU tensors. It is an accelerator, never a requirement: when it
-cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the block-sparse engine
+Two operators from one source (``kernels/band.cpp``): ``band_forward`` and ``band_backward``,
+the forward and backward of band masks (sliding windows) on float32 CPU tensors. They are an
+accelerator, never a requirement: when they cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the block-sparse engine
 runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which one runs.
 
 - Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
