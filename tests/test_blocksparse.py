@@ -13,6 +13,7 @@ import torch
 
 import qkv
 from conftest import cuda
+from qkv.backends.blocksparse import autograd, schedule  # private units, tested on purpose
 from qkv.backends.blocksparse import plan as job_mod
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
@@ -295,18 +296,19 @@ def _tiles(sched: Any, b: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("L", [(1000, 1000), (700, 900), (900, 700)], ids=str)
 @pytest.mark.parametrize("window", [(100, 0), (40, 60), (0, 0), (300, 200)], ids=str)
 @pytest.mark.parametrize("prebuilt", [False, True], ids=["mask_mod", "block_mask"])
-def test_band_backward_runs_key_major(check, L, window, prebuilt):
+def test_band_backward_runs_key_major(check, L, window, prebuilt, torch_kernels):
     """Band masks' backward runs key-major groups (each key block against its window of
     query rows: dk, dv complete, dq windows folded back) and pieces for the band's ends
     (merged into few calls): every visible tile exactly once. Gradients through out and
-    through the lse match the oracle."""
+    through the lse match the oracle. (With torch's kernels: the compiled band kernel has a
+    backward of its own, tested in test_native.py.)"""
     q, k, v = _qkv(B=1, Hq=2, Hkv=2, Lq=L[0], Lk=L[1], D=16, Dv=8)
     mask: Any = qkv.sliding_window(*window)
     if prebuilt:
         mask = qkv.block_mask(mask, None, None, L[0], L[1], block_size=64)
     job = job_mod.make_job(qkv._problem.validate(q, k, v, mask=mask))
     b = 64 if prebuilt else 128
-    bm = mask if prebuilt else job_mod._band_block_mask(mask.lo, mask.hi, L[0], L[1], b)
+    bm = mask if prebuilt else schedule._band_block_mask(-window[0], window[1], L[0], L[1], b)
     want = sorted((i, j) for i, row in enumerate(bm.rows()) for j in row.blocks)
     # (700, 900) with a 501-wide band: no two key blocks see the same run of full-size
     # query blocks, so every tile is a piece there.
@@ -418,7 +420,7 @@ def test_nested_closures_are_searched(check):
     def opaque(s, b, h, i, j):  # its own cells hold only `helper`
         return s + helper(h)
 
-    assert qkv.backends.blocksparse._captured(opaque) == [hidden]
+    assert autograd.captured(opaque) == [hidden]
     check(with_lse, q, k, v, mask=qkv.causal, score_mod=opaque, extra_params=(hidden,))
 
 
@@ -434,12 +436,10 @@ def test_hidden_dependency_falls_back_to_checkpointing(check, monkeypatch):
     def deeper(s, b, h, i, j):
         return s + Holder.table[h]
 
-    assert qkv.backends.blocksparse._captured(deeper) == []
+    assert autograd.captured(deeper) == []
     used = []
-    real = qkv.backends.blocksparse._checkpointed
-    monkeypatch.setattr(
-        qkv.backends.blocksparse, "_checkpointed", lambda *a: used.append(1) or real(*a)
-    )
+    real = autograd.checkpointed
+    monkeypatch.setattr(autograd, "checkpointed", lambda *a: used.append(1) or real(*a))
     m = qkv.block_mask(qkv.sliding_window(20), 2, 4, 70, 90, block_size=16)
     check(with_lse, q, k, v, mask=m, score_mod=deeper, extra_params=(hidden,))
     assert used
@@ -493,7 +493,7 @@ def test_huge_logits_never_overflow(check):
 @pytest.mark.parametrize("mask", ["causal_document", "dilated", "bool"])
 def test_pieces_split_and_merge_under_a_small_budget(check, monkeypatch, mask):
     """Long rows are split into several pieces merged by lse (bounded memory)."""
-    monkeypatch.setattr(job_mod, "_PIECE_BUDGET", 16 * 16)
+    monkeypatch.setattr(schedule, "PIECE_BUDGET", 16 * 16)
     q, k, v = _qkv()
     m = qkv.block_mask(
         _mask(mask, 2, 70, 90, torch.Generator().manual_seed(0)), 2, 4, 70, 90, block_size=16

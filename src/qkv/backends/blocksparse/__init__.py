@@ -25,8 +25,8 @@ import torch
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
 from ..base import Backend, Route
-from . import schedule
-from .autograd import BlockSparseAttention, captured, checkpointed, reaches_hidden
+from . import autograd, schedule
+from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
 from .job import HiddenDependency, Job, Watch, fused_ok
 from .plan import block_mask_of, describe, make_job
@@ -94,7 +94,7 @@ class BlocksparseBackend(Backend):
         try:
             out, lse = BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *params)
         except HiddenDependency:
-            return _maybe_lse(p, checkpointed(job.for_run(watch=None), p.q, p.k, p.v))
+            return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), p.q, p.k, p.v))
         if job.fused and needs_grad and _huge(lse):
             # The fused kernel recomputes the scores in its backward with a different
             # summation order than its forward; at scores of ~1e3 and beyond the two

@@ -2,8 +2,9 @@
 
 Two operators from one source (``kernels/band.cpp``): ``band_forward`` and ``band_backward``,
 the forward and backward of band masks (sliding windows) on float32 CPU tensors. They are an
-accelerator, never a requirement: when they cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the block-sparse engine
-runs the same problem with torch's fused kernel, and :func:`qkv.plan` says which one runs.
+accelerator, never a requirement: when they cannot be built (no C++ compiler,
+``QKV_NATIVE=0``, a failed build) the block-sparse engine runs the same problem with torch's
+fused kernel, and :func:`qkv.plan` says which one runs.
 
 - Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
   ``~/.cache/qkv/native``); later processes load the cached library directly (a stamp of the
