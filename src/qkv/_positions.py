@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._kinds import MaskKind, band
+from ._kinds import MaskKind, band, classify_score
 from ._problem import mask_kind
 
 Tensor = torch.Tensor
@@ -104,9 +104,9 @@ def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> object:
 
 def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> object:
     """The mask to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
-    if mask is None or isinstance(mask, Tensor):
-        return mask  # a tensor already spans the buffer's [Lq, Lk]
     kind = mask_kind(mask)
+    if kind.kind in ("none", "tensor"):
+        return mask  # a tensor already spans the buffer's [Lq, Lk]
     if kind.is_band and isinstance(kv_pos, int):
         return shift_band(kind, q_offset - kv_pos, Lq, Lk)
     return _MaskAt(kind.mask_mod, q_offset, kv_pos, q_offset + Lq)
@@ -114,6 +114,6 @@ def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> obj
 
 def score_at(score_mod: object, q_offset: int, kv_pos: KvPos, Lq: int) -> object:
     """The score_mod to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
-    if score_mod is None or isinstance(score_mod, Tensor):
-        return score_mod
+    if classify_score(score_mod).kind in ("none", "bias"):
+        return score_mod  # a bias already spans the buffer's [Lq, Lk]
     return _ScoreAt(score_mod, q_offset, kv_pos, q_offset + Lq)
