@@ -55,6 +55,11 @@ class BlocksparseBackend(Backend):
                 "rows with |lse| > 128 redo the call with explicit matmuls before a backward "
                 "(the fused backward's recomputed scores drift there)"
             )
+        if job.route == "native_band":
+            notes.append(
+                "the compiled kernel works in 16-row blocks against exactly the keys each "
+                "block's rows see; the tiles line is the mask's plan at the default tile size"
+            )
         if job.score_mod is not None:
             notes.append(
                 "a score_mod that reaches a learnable tensor the engine cannot find falls "
