@@ -194,9 +194,11 @@ def _full_stats(w: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "padding", "document", "dead_rows", "or"])
 @pytest.mark.parametrize("score_name", ["none", "alibi", "softcap", "relative"])
-@pytest.mark.parametrize(("Lq", "Lk", "block_q", "block_k"), [(37, 29, 8, 8), (113, 1025, 64, 512)])
+@pytest.mark.parametrize(
+    ("Lq", "Lk", "blocks"), [(37, 29, (8, 8)), (113, 1025, None)], ids=["37-29-8-8", "113-1025"]
+)
 def test_stats_equal_full_weights(
-    mask_name: str, score_name: str, Lq: int, Lk: int, block_q: int, block_k: int
+    mask_name: str, score_name: str, Lq: int, Lk: int, blocks: tuple[int, int] | None
 ) -> None:
     K = 3
     shape = Shape(2, 4, 2, Lq, Lk, 16)
@@ -204,8 +206,11 @@ def test_stats_equal_full_weights(
     kw = _case(mask_name, score_name, shape)
     _, lse = qkv.attention(q, k, v, return_lse=True, **kw)
     w64, w32 = _oracle_weights(q, k, v, **kw)
-    p, lse4 = check_problem(q, k, lse, kw["mask"], kw["score_mod"], None)
-    s = stats_of_problem(p, lse4, K, block_q=block_q, block_k=block_k)
+    if blocks is None:  # the public function, with its own 64 x 512 tiles
+        s = qkv.inspect.stats(q, k, lse=lse, top_k=K, **kw)
+    else:  # private: the blockwise unit with 8 x 8 tiles, so that 37 x 29 spans many
+        p, lse4 = check_problem(q, k, lse, kw["mask"], kw["score_mod"], None)
+        s = stats_of_problem(p, lse4, K, block_q=blocks[0], block_k=blocks[1])
     want, plain = _full_stats(w64, K), _full_stats(w32, K)
     _assert_close("received", s.received, want[0], plain[0])
     _assert_close("entropy", s.entropy, want[1], plain[1])
