@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qkv._cli import bench
+from qkv._cli import bench  # private: the bench command's mask specs are the unit tested
 from qkv.cli import main
 
 

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import qkv
+
+# private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends import _blocksparse_plan as plan_mod
 from qkv.backends import _native
 from qkv.masks import _Band
