@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import qkv
+from catalogue import Shape, make_qkv
 
 # private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends import _blocksparse_plan as plan_mod
@@ -32,12 +33,8 @@ needs_compiler = pytest.mark.skipif(
 with_lse = functools.partial(qkv.attention, backend="blocksparse", return_lse=True)
 
 
-def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype)
-    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
-    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=dtype)
-    return q, k, v
+def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0):
+    return make_qkv(Shape(B, Hq, Hkv, Lq, Lk, D, Dv), gen=seed)
 
 
 def _job(q, k, v, mask, **kw):
