@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 BATCHES = [1, 2]
 # (Hq, Hkv): one head, multi-head, grouped-query (4 query heads per kv head), multi-query.
 HEADS = [(1, 1), (4, 4), (8, 2), (8, 1)]
-# Lengths that are not multiples of any block size (1, 7, 113, 1025), and two that are.
+# Lengths that are not multiples of any block size (1, 7, 113, 1025), and one that is (256).
 LENGTHS = [1, 7, 113, 256, 1025]
 # (Lq, Lk) pairs with Lq != Lk both ways, single keys and queries, and one square pair.
 LENGTH_PAIRS = [
