@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 import qkv
+
+# private on purpose: the plain baseline runs on qkv's own normalised problem (unbatched inputs,
+# GQA groups), and the oracle's lse comes from qkv.reference.forward
 from qkv._dense import apply_score_mod, dense_mask
 from qkv._problem import validate
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qkv._cli import bench, bench_cases
+from qkv._cli import bench, bench_cases  # private: the bench command's mask specs are tested
 from qkv.cli import main
 
 

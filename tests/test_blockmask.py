@@ -9,38 +9,45 @@ import pytest
 import torch
 
 import qkv
-from qkv import _tiles as tiles
-from qkv._kinds import MaskKind  # the tile planner's private units, tested on purpose
-from qkv._tiles import EMPTY, FULL, PARTIAL, Grid, _evaluate
+from catalogue import MASKS, Shape, index_tensors, make_mask
+from qkv import _tiles as tiles  # private: its evaluation hook and budget are units tested
+
+Tensor = torch.Tensor
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # the values of BlockMask.states, as its docstring defines them
 
 
-def _evaluated(mod, B, H, Lq, Lk, bs):
-    # evaluated position by position (a tensor sliced tile by tile), whatever it is
-    kind = (
-        MaskKind("tensor", mod, tensor=mod)
-        if isinstance(mod, torch.Tensor)
-        else MaskKind("mod", mod)
-    )
-    return _evaluate(kind, Grid(B, H, Lq, Lk, bs[0], bs[1], torch.device("cpu")))
+def _evaluated(mod, B, H, Lq, Lk, bs) -> Tensor:
+    """The tile states found by evaluating every position through the public contract (the
+    mask_mod on the full index tensors, or the bool tensor itself), independently of qkv's
+    planner: int8 ``[B|1, H|1, nq, nk]``, keeping the dims the mask does not vary over."""
+    bq, bk = bs
+    m = mod if isinstance(mod, Tensor) else mod(*index_tensors(B, H, Lq, Lk))
+    while m.ndim < 4:
+        m = m.unsqueeze(0)
+    b, h = m.shape[:2]
+    nq, nk = -(-Lq // bq), -(-Lk // bk)
+    # Positions past the ends neither show (seen) nor hide (full) anything.
+    seen = torch.zeros(b, h, nq * bq, nk * bk, dtype=torch.bool)  # [b, h, nq*bq, nk*bk]
+    full = torch.ones(b, h, nq * bq, nk * bk, dtype=torch.bool)  # [b, h, nq*bq, nk*bk]
+    seen[:, :, :Lq, :Lk] = m
+    full[:, :, :Lq, :Lk] = m
+    tiles = (b, h, nq, bq, nk, bk)
+    any_ = seen.view(tiles).any(5).any(3)  # [b, h, nq, nk]: some position visible
+    all_ = full.view(tiles).all(5).all(3)  # [b, h, nq, nk]: every position visible
+    return any_.to(torch.int8) + all_.to(torch.int8)  # 0 empty, 1 partial, 2 full
 
 
 def _builtins(n: int) -> list:
+    """The catalogue's built-in masks and and/or combinations (planned from structure), then
+    the two combinations with an arbitrary mask_mod (evaluated in part)."""
     gen = torch.Generator().manual_seed(0)
-    ids_sorted = torch.sort(torch.randint(0, 5, (n,), generator=gen))[0]
-    ids_unsorted = torch.randint(0, 4, (n,), generator=gen)
-    return [
-        qkv.causal,
-        qkv.sliding_window(7),
-        qkv.sliding_window(3, 5),
-        qkv.sliding_window(0),
-        qkv.document(ids_sorted),
-        qkv.document(ids_unsorted),
-        qkv.padding(torch.tensor([0, 17, n])),
-        qkv.prefix_lm(9),
-        qkv.and_masks(qkv.causal, qkv.document(ids_sorted)),
-        qkv.or_masks(qkv.sliding_window(4), qkv.prefix_lm(3)),
-        qkv.and_masks(qkv.causal, lambda b, h, q, k: (q - k) % 3 == 0),
-    ]
+    shape = Shape(3, 8, 8, n, n, 8)
+    names = [m for m, e in MASKS.items() if e.analytic] + ["or_mod", "and_mod"]
+    return [make_mask(m, shape, gen) for m in names]
+
+
+N_ANALYTIC = sum(e.analytic for e in MASKS.values())
 
 
 @pytest.mark.parametrize("Lq,Lk", [(1, 1), (7, 13), (113, 45), (64, 64), (200, 257), (257, 200)])
@@ -62,9 +69,9 @@ def test_builtins_never_evaluate_positions(monkeypatch):
     def forbidden(mod, g):
         raise AssertionError(f"evaluated {mod!r} position by position")
 
-    monkeypatch.setattr(tiles, "_evaluate", forbidden)
+    monkeypatch.setattr(tiles, "_evaluate", forbidden)  # private: the planner's evaluation hook
     n = 131072
-    for mod in _builtins(n)[:-1]:  # the last one holds an arbitrary mask_mod
+    for mod in _builtins(n)[:N_ANALYTIC]:  # the rest hold an arbitrary mask_mod
         t = time.perf_counter()
         bm = qkv.block_mask(mod, 3, 8, n, n)
         took = time.perf_counter() - t
@@ -77,7 +84,7 @@ def test_builtins_at_a_million_positions():
     """n = 2**20 (10^12 positions) plans from structure alone; the mask_mod is never called."""
     calls = []
 
-    class Counting(qkv.masks._Band):
+    class Counting(qkv.masks._Band):  # private: a built-in band that counts its calls
         def __call__(self, b, h, q_idx, kv_idx):
             calls.append(q_idx.numel() * kv_idx.numel())
             return super().__call__(b, h, q_idx, kv_idx)
@@ -95,7 +102,7 @@ def test_builtins_at_a_million_positions():
 
 def test_arbitrary_mask_mod_is_evaluated_in_bounded_tiles(monkeypatch):
     """A mask_mod without structure is evaluated tile by tile, each call bounded."""
-    monkeypatch.setattr(tiles, "EVAL_BUDGET", 4096)
+    monkeypatch.setattr(tiles, "EVAL_BUDGET", 4096)  # private: the evaluation budget is tested
     sizes = []
 
     def dilated(b, h, q_idx, kv_idx):
@@ -132,8 +139,7 @@ def test_bool_tensor_block_mask_and_dims():
     assert bool((bm.states[0] == EMPTY).all())
     assert torch.equal(bm.states, _evaluated(m, 2, 3, 50, 40, (16, 8)))
     # As mask_mod (for dense backends) it reproduces the tensor.
-    b, h, qi, ki = (t for t in qkv._checks.index_tensors(2, 3, (0, 50), (0, 40), m.device))
-    assert torch.equal(bm.mask_mod(b, h, qi, ki), m.expand(2, 3, 50, 40))
+    assert torch.equal(bm.mask_mod(*index_tensors(2, 3, 50, 40)), m.expand(2, 3, 50, 40))
 
 
 def test_padding_varies_over_batch_only():
@@ -208,6 +214,6 @@ def test_unsorted_document_ids_are_exact_or_conservative(monkeypatch):
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert torch.equal(bm.states, _evaluated(qkv.document(ids), 1, 1, 64, 64, (16, 16)))
     # Too many documents for the exact plan: every tile partial (correct, skips nothing).
-    monkeypatch.setattr(tiles, "_PRESENCE_CELLS", 1)
+    monkeypatch.setattr(tiles, "_PRESENCE_CELLS", 1)  # private: the exact plan's limit
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert bool((bm.states == PARTIAL).all())

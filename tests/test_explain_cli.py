@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import qkv
-from qkv._cli import explain
+from qkv._cli import explain  # private: the command's token search and maps are units tested
 from qkv.viz import AttentionMaps, png, terminal
 
 QKV = str(Path(sys.executable).with_name("qkv"))

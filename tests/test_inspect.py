@@ -8,12 +8,17 @@ oracle (``qkv.reference.attention``); the allowed error is 2x the error plain fl
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any
 
 import pytest
 import torch
 
 import qkv
+from catalogue import SHAPES, Shape, make_mask, make_qkv, make_score
+
+# private: the blockwise statistics unit, run with chosen block sizes (qkv.inspect.stats
+# fixes them), and its tile cache
 from qkv.inspect._stats import stats_of_problem
 from qkv.inspect._weights import check_problem
 from qkv_testing import FLOOR, Comparison, _maxerr
@@ -22,50 +27,14 @@ Tensor = torch.Tensor
 
 
 def _shapes(B: int, Hq: int, Hkv: int, Lq: int, Lk: int, D: int, seed: int) -> tuple[Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Lq, D, generator=g)
-    k = torch.randn(B, Hkv, Lk, D, generator=g)
-    v = torch.randn(B, Hkv, Lk, D, generator=g)
-    return q, k, v
+    return make_qkv(Shape(B, Hq, Hkv, Lq, Lk, D), gen=seed)
 
 
-def _ids(n: int) -> Tensor:
-    return torch.arange(n) * 3 // max(n, 1)  # three documents of about equal length
-
-
-def _masks(B: int, Lq: int, Lk: int) -> dict[str, Any]:
-    n = max(Lq, Lk)
-    ids = _ids(n)
-    lengths = torch.tensor([0, Lk // 2 + 1][:B])  # batch 0 has no keys: fully masked rows
-
-    def late_rows(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return (q_idx % 3 != 1) & (kv_idx <= q_idx + 2)  # every third row sees nothing
-
-    return {
-        "none": None,
-        "causal": qkv.causal,
-        "window": qkv.sliding_window(3),
-        "window2": qkv.sliding_window(2, 1),
-        "document": qkv.document(ids),
-        "padding": qkv.padding(lengths),
-        "prefix_lm": qkv.prefix_lm(4),
-        "and": qkv.and_masks(qkv.causal, qkv.document(ids)),
-        "or": qkv.or_masks(qkv.sliding_window(1), qkv.prefix_lm(2)),
-        "mask_mod": late_rows,
-        "bool_tensor": torch.rand(Lq, Lk, generator=torch.Generator().manual_seed(5)) > 0.5,
-    }
-
-
-def _score_mods(Hq: int, Lq: int, Lk: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(7)
-    return {
-        "none": None,
-        "alibi": qkv.alibi(qkv.alibi_slopes(Hq)),
-        "softcap": qkv.softcap(2.0),
-        "relative_bias": qkv.relative_bias(torch.randn(2 * 5 + 1, Hq, generator=g), 5),
-        "bias_tensor": torch.randn(1, Hq, Lq, Lk, generator=g),
-        "lambda": lambda s, b, h, qi, ki: s * (1 + h) / 2 - (qi - ki).abs() * 0.1,
-    }
+def _case(mask_name: str, score_name: str, shape: Shape) -> dict[str, Any]:
+    """The catalogue's mask and score_mod (nothing needs a gradient) as attention kwargs."""
+    gen = torch.Generator().manual_seed(5)
+    mask = make_mask(mask_name, shape, gen)
+    return {"mask": mask, "score_mod": make_score(score_name, shape, gen, grad=False)[0]}
 
 
 def _oracle_weights(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
@@ -85,16 +54,34 @@ def _assert_close(name: str, got: Tensor, want64: Tensor, plain: Tensor) -> None
 
 # --------------------------------------------------------------------------- weights from lse
 
-MASKS = list(_masks(2, 8, 8))
-SCORES = list(_score_mods(4, 8, 8))
+# The catalogue's entries (catalogue.MASKS / SCORES say what each is for): every built-in,
+# and/or combinations, bool tensors of both broadcast shapes, an arbitrary and a
+# head-dependent mask_mod, fully masked rows.
+MASKS = [
+    "none",
+    "causal",
+    "window",
+    "window2",
+    "document",
+    "padding",
+    "prefix_lm",
+    "and",
+    "or",
+    "dead_rows",
+    "bool",
+    "rows_masked",
+    "head_dependent",
+]
+SCORES = ["none", "alibi", "softcap", "relative", "bias", "closure"]
 
 
 @pytest.mark.parametrize("mask_name", MASKS)
 @pytest.mark.parametrize("score_name", SCORES)
 def test_weights_from_lse_equal_reference(mask_name: str, score_name: str) -> None:
-    B, Hq, Hkv, Lq, Lk, D = 2, 4, 2, 37, 29, 59  # GQA, Lq != Lk, odd head dim
-    q, k, v = _shapes(B, Hq, Hkv, Lq, Lk, D, seed=hash((mask_name, score_name)) % 1000)
-    kw = {"mask": _masks(B, Lq, Lk)[mask_name], "score_mod": _score_mods(Hq, Lq, Lk)[score_name]}
+    shape = SHAPES["odd"]  # GQA, Lq != Lk, odd head dim
+    B, Lq, Lk = shape.B, shape.Lq, shape.Lk
+    q, k, v = make_qkv(shape, gen=zlib.crc32(f"{mask_name}-{score_name}".encode()))
+    kw = _case(mask_name, score_name, shape)
     _out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
     w64, w32 = _oracle_weights(q, k, v, **kw)
     g = torch.Generator().manual_seed(1)
@@ -131,10 +118,10 @@ def test_weights_unbatched_and_lse_from_any_backend() -> None:
     q, k, v = torch.randn(9, 16), torch.randn(12, 16), torch.randn(12, 16)
     _, w64 = qkv.reference.attention(q.double(), k.double(), v.double(), scale=0.3)
     # lse from the oracle itself (another "backend"): the rebuild must not care where it came from
-    p = qkv._problem.validate(q.double(), k.double(), v.double(), scale=0.3)
-    _, lse_oracle, _ = qkv.reference.forward(p, dropout_p=0.0)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    _, lse_oracle = qkv.attention(q64, k64, v64, scale=0.3, return_lse=True, backend="reference")
     _, lse = qkv.attention(q, k, v, scale=0.3, return_lse=True)
-    for l in (lse, lse_oracle[0, 0].float()):
+    for l in (lse, lse_oracle.float()):
         got = qkv.inspect.weights(q, k, lse=l, rows=[2, 8], scale=0.3)
         assert got.shape == (2, 12)
         assert torch.allclose(got.double(), w64[[2, 8]], atol=2e-6)
@@ -205,19 +192,25 @@ def _full_stats(w: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
     return received, entropy, top
 
 
-@pytest.mark.parametrize("mask_name", ["none", "causal", "padding", "document", "mask_mod", "or"])
-@pytest.mark.parametrize("score_name", ["none", "alibi", "softcap", "relative_bias"])
-@pytest.mark.parametrize(("Lq", "Lk", "block_q", "block_k"), [(37, 29, 8, 8), (113, 1025, 64, 512)])
+@pytest.mark.parametrize("mask_name", ["none", "causal", "padding", "document", "dead_rows", "or"])
+@pytest.mark.parametrize("score_name", ["none", "alibi", "softcap", "relative"])
+@pytest.mark.parametrize(
+    ("Lq", "Lk", "blocks"), [(37, 29, (8, 8)), (113, 1025, None)], ids=["37-29-8-8", "113-1025"]
+)
 def test_stats_equal_full_weights(
-    mask_name: str, score_name: str, Lq: int, Lk: int, block_q: int, block_k: int
+    mask_name: str, score_name: str, Lq: int, Lk: int, blocks: tuple[int, int] | None
 ) -> None:
-    B, Hq, Hkv, D, K = 2, 4, 2, 16, 3
-    q, k, v = _shapes(B, Hq, Hkv, Lq, Lk, D, seed=Lq + len(mask_name) * 7 + len(score_name))
-    kw = {"mask": _masks(B, Lq, Lk)[mask_name], "score_mod": _score_mods(Hq, Lq, Lk)[score_name]}
+    K = 3
+    shape = Shape(2, 4, 2, Lq, Lk, 16)
+    q, k, v = make_qkv(shape, gen=Lq + len(mask_name) * 7 + len(score_name))
+    kw = _case(mask_name, score_name, shape)
     _, lse = qkv.attention(q, k, v, return_lse=True, **kw)
     w64, w32 = _oracle_weights(q, k, v, **kw)
-    p, lse4 = check_problem(q, k, lse, kw["mask"], kw["score_mod"], None)
-    s = stats_of_problem(p, lse4, K, block_q=block_q, block_k=block_k)
+    if blocks is None:  # the public function, with its own 64 x 512 tiles
+        s = qkv.inspect.stats(q, k, lse=lse, top_k=K, **kw)
+    else:  # private: the blockwise unit with 8 x 8 tiles, so that 37 x 29 spans many
+        p, lse4 = check_problem(q, k, lse, kw["mask"], kw["score_mod"], None)
+        s = stats_of_problem(p, lse4, K, block_q=blocks[0], block_k=blocks[1])
     want, plain = _full_stats(w64, K), _full_stats(w32, K)
     _assert_close("received", s.received, want[0], plain[0])
     _assert_close("entropy", s.entropy, want[1], plain[1])
@@ -318,7 +311,7 @@ def test_record_bad_arguments() -> None:
 
 def test_recording_check_is_cheap_when_off() -> None:
     """Nothing records outside a block: the ContextVar holds None."""
-    assert qkv._recording.ACTIVE.get() is None
+    assert qkv._recording.ACTIVE.get() is None  # private: the off-path's ContextVar is the unit
     f = functools.partial(qkv.attention, mask=qkv.causal)
     x = torch.randn(4, 8)
     assert isinstance(f(x, x, x), Tensor)
@@ -375,12 +368,15 @@ def test_record_resets_layer_name_when_forward_raises() -> None:
             model(torch.randn(1, 5, 31))  # wrong width: the first layer refuses it
         qkv.attention(torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4))
     assert [c.layer for c in rec] == [""]  # the plain call is not attributed to layers.0
-    assert qkv._recording.LAYER.get() == ""
+    x = torch.randn(3, 4)
+    with qkv.inspect.record(torch.nn.Identity()) as after:  # nor is one in a later recording
+        qkv.attention(x, x, x)
+    assert [c.layer for c in after] == [""]
 
 
 def test_stats_recompute_path_equals_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     """Row blocks too big for the tile cache recompute their tiles: same statistics."""
-    from qkv.inspect import _stats
+    from qkv.inspect import _stats  # private: the tile cache's size is the unit tested
 
     q, k, v = _shapes(1, 4, 2, 70, 600, 16, seed=11)
     mask = qkv.sliding_window(100, 20)
@@ -407,4 +403,5 @@ def test_torch_compile_traces_attention_while_recording() -> None:
         got = compiled(x)
     assert torch.allclose(got, f(x), atol=1e-6)
     assert len(rec) == 0  # the compiled call was not recorded
+    # private: the recorder's own state after the block is the unit tested
     assert qkv._recording.current() is None and qkv._recording._open == 0

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import qkv
-from qkv._checks import index_tensors
+from catalogue import index_tensors
 
 
 def grid(mod, Lq, Lk, B=1, H=1):
-    b, h, qi, ki = index_tensors(B, H, (0, Lq), (0, Lk), torch.device("cpu"))
+    b, h, qi, ki = index_tensors(B, H, Lq, Lk)
     return mod(b, h, qi, ki).expand(B, H, Lq, Lk).int()
 
 
@@ -110,7 +110,7 @@ def test_construction_errors(make, err, match):
 
 
 def scores_after(mod, Lq=4, Lk=6, H=2):
-    b, h, qi, ki = index_tensors(1, H, (0, Lq), (0, Lk), torch.device("cpu"))
+    b, h, qi, ki = index_tensors(1, H, Lq, Lk)
     s = torch.randn(1, H, Lq, Lk, generator=torch.Generator().manual_seed(0))
     return s, mod(s, b, h, qi, ki)
 
@@ -135,7 +135,7 @@ def test_softcap_formula_and_bound():
     s, out = scores_after(qkv.softcap(2.0))
     assert torch.allclose(out, 2.0 * torch.tanh(s / 2.0))
     big = torch.tensor([1e4, -1e4])
-    capped = qkv.softcap(30.0)(big, *index_tensors(1, 1, (0, 1), (0, 2), torch.device("cpu")))
+    capped = qkv.softcap(30.0)(big, *index_tensors(1, 1, 1, 2))
     assert capped.abs().max() <= 30.0
 
 

@@ -22,7 +22,7 @@ import torch
 
 import qkv
 import qkv.models
-from qkv.models import _config, _model, _packing
+from qkv.models import _config, _model, _packing  # private: units tested (config, packing)
 
 Tensor = torch.Tensor
 

@@ -1,4 +1,4 @@
-"""qkv's compiled CPU band kernel (``src/qkv/backends/blocksparse/kernels/band.cpp``) against the
+"""qkv's compiled CPU band kernel (``src/qkv/backends/csrc/band_forward.cpp``) against the
 oracle, and the engine's fallback when it cannot be built.
 
 The kernel is built on first use (~15-30 s once per machine, cached). Where a C++ compiler
@@ -19,7 +19,10 @@ import pytest
 import torch
 
 import qkv
+from catalogue import Shape, make_qkv
 from qkv.backends.blocksparse import native as _native
+
+# private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends.blocksparse import plan as plan_mod
 from qkv.masks import _Band
 from qkv_testing import assert_matches_oracle, compare_to_oracle
@@ -30,12 +33,8 @@ needs_compiler = pytest.mark.skipif(
 with_lse = functools.partial(qkv.attention, backend="blocksparse", return_lse=True)
 
 
-def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, Lq, D, generator=g, dtype=dtype)
-    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=dtype)
-    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=dtype)
-    return q, k, v
+def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0):
+    return make_qkv(Shape(B, Hq, Hkv, Lq, Lk, D, Dv), gen=seed)
 
 
 def _job(q, k, v, mask, **kw):

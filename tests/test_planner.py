@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv
-from qkv import planner
+from qkv import planner  # private: the backend registry and auto's order are the unit tested
 
 
 def _x(B=1, Hq=4, Hkv=4, Lq=256, Lk=256, D=16, device="cpu"):
