@@ -42,11 +42,11 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # The oracle matrices again as a CPU without AVX-512 runs them, on a machine that has it
-# (issue 9: a GQA gradient passed here and failed there). ATen's kernels at AVX2; MKL's and
-# oneDNN's GEMMs at AVX2 (MKL honours this on Intel CPUs only; on others it never dispatches
-# AVX-512 to begin with); qkv's band kernel built for AVX2 (_native.py names its cache folder
-# by torch's capability, so the two builds sit side by side). Elsewhere the normal run above
-# is already the AVX2 (or plain) one. Left out of the rerun (a third of its time): the
+# (issue 9: a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
+# AVX2; MKL's and oneDNN's GEMMs at AVX2 (oneMKL honours its variable on Intel CPUs only);
+# qkv's band kernel built for AVX2 (_native.py names its cache folder by torch's capability,
+# so the two builds sit side by side). Elsewhere the normal run above is already the AVX2
+# (or plain) one. Left out of the rerun (a third of its time): the
 # matrix's "reference" backend (the plain formula the tolerance is measured against) and
 # "auto" (it only picks among the backends the matrix runs anyway), and torch.compile.
 AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
