@@ -82,6 +82,25 @@ class Grads:
             acc.index_add_(2, pc.index.to(acc.device), g)
 
 
+def group_sum(t: Tensor, hkv: int) -> Tensor:
+    """Per-query-head partial sums ``t [B, Hq, span, X]`` combined over each kv head's group
+    of query heads: ``[B, Hkv, span, X]`` (query head ``h`` feeds kv head ``h // g``).
+
+    Why not one GEMM over the folded group (``fold(a, hkv)ᵀ @ fold(b, hkv)``, a reduction of
+    ``g*rows`` terms): MKL may add a reduction in order, one accumulator per output (on the
+    AMD EPYC of RESULTS.md, 2026-12-01, its error equals an in-order float32 sum's to the
+    last bit), so the error grows with the reduction's length. With 8 query heads on one kv
+    head and 113 rows, dv summed 904 terms at once and came out 7.1x further from the
+    float64 oracle than plain PyTorch (which sums per head, then over heads; issue 9), dk
+    3.0x; per head (113 terms) and then over the 8 heads, 1.0x and 1.4x. The same FLOPs; the
+    extra ``[B, Hq, span, X]`` buffer is ``g`` times the piece's keys ``[B, Hkv, span, X]``
+    and ``X / rows`` times its scores, so the piece budget still bounds it."""
+    B, Hq, S, X = t.shape
+    if Hq == hkv:
+        return t
+    return t.view(B, hkv, Hq // hkv, S, X).sum(dim=2)  # [B, Hkv, span, X]
+
+
 def _lse_for_bwd(lse: Tensor) -> Tensor:
     # Rows with no visible key have lse -inf; every score of such a row is -inf too, so any
     # finite value gives P = exp(-inf - x) = 0 there.
@@ -275,10 +294,11 @@ def _matmul_backward(
         for pc in pieces:
             kb, vb = pc.keys(k).to(cdt), pc.keys(v).to(cdt)  # [B, Hkv, span, D|Dv]
             ds_raw = _piece_dscores(job, pc, g, qb, kb, vb, do, lse_r, drow, len(pieces) == 1)
-            # S = scale * q kᵀ  →  dq = scale * dS k,  dk = scale * dSᵀ q  (per kv group)
-            ds_f = fold(ds_raw, hkv)  # [B, Hkv, g*rows, span]
-            g.dq[:, :, r] += unfold(ds_f @ kb, p.Hq) * p.scale
-            g.add_keys(g.dk, pc, (ds_f.transpose(-2, -1) @ fold(qb, hkv)) * p.scale)
+            # S = scale * q kᵀ  →  dq = scale * dS k,  dk = scale * dSᵀ q (summed over the
+            # query heads of each kv group per head first: see group_sum)
+            g.dq[:, :, r] += unfold(fold(ds_raw, hkv) @ kb, p.Hq) * p.scale
+            dk_h = ds_raw.transpose(-2, -1) @ qb  # [B, Hq, span, D], one per query head
+            g.add_keys(g.dk, pc, group_sum(dk_h, hkv) * p.scale)
     return g
 
 
@@ -346,7 +366,8 @@ def _piece_dscores(
         pd = probs
         if p.dropout_p > 0:
             pd = probs * job.keep_mask(pc, tuple(probs.shape), probs.device) / (1.0 - p.dropout_p)
-        g.add_keys(g.dv, pc, fold(pd, hkv).transpose(-2, -1) @ fold(do, hkv))
+        dv_h = pd.transpose(-2, -1) @ do  # [B, Hq, span, Dv], one per query head
+        g.add_keys(g.dv, pc, group_sum(dv_h, hkv))
         ds = probs * (dp - drow)  # [B, Hq, rows, span]; 0 wherever P is 0 (hidden keys)
     if g.dbias is not None:
         _add_bias_grad(job, pc, g.dbias, ds)
