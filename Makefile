@@ -45,9 +45,8 @@ browser:
 # (issue 9: a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
 # AVX2; MKL's and oneDNN's GEMMs at AVX2 (oneMKL honours its variable on Intel CPUs only);
 # qkv's band kernel built for AVX2 (blocksparse/native.py names its cache folder by torch's
-# capability,
-# so the two builds sit side by side). Elsewhere the normal run above is already the AVX2
-# (or plain) one. Left out of the rerun (a third of its time): the
+# capability, so the two builds sit side by side). Elsewhere the normal run above is already
+# the AVX2 (or plain) one. Left out of the rerun (a third of its time): the
 # matrix's "reference" backend (the plain formula the tolerance is measured against) and
 # "auto" (it only picks among the backends the matrix runs anyway), and torch.compile.
 AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
