@@ -5,7 +5,8 @@ over its whole group of query heads (``g * rows`` terms summed at once). Where M
 reduction in order (the AMD EPYC of benchmarks/RESULTS.md, 2026-12-01, and machines without
 AVX-512), that came out up to ~11x further from the float64 oracle than plain PyTorch, which
 sums per head and then over the heads. These cases failed the oracle comparison before the
-backward summed per query head first (``backends/blocksparse/backward.group_sum``), at the unchanged 3x
+backward summed per query head first (``group_sum`` in backends/blocksparse/backward.py), at
+the unchanged 3x
 gradient ratio.
 
 The cases are narrow (D=8: MKL's in-order path) with few visible keys and a callable
@@ -23,8 +24,9 @@ import pytest
 import torch
 
 import qkv
+from catalogue import Shape, make_mask, make_qkv, make_score
 from qkv_testing import Comparison, assert_matches_oracle, compare_to_oracle
-from test_backends import Case, make_mask, make_score, run_case
+from test_backends import Case, run_case
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def test_gqa_gradients_sum_per_head(case: GroupCase, backend: str) -> None:
 
 # The test_backends.py matrix case that failed on CPUs without AVX-512 (issue 9): dv 7.1x
 # plain's error before, 1.0x after.
-MATRIX_CASE = Case(1, 8, 1, 113, 256, 8, 8, "prefix_mod", "softcap", torch.float32)
+MATRIX_CASE = Case(Shape(1, 8, 1, 113, 256, 8, 8), "prefix_mod", "softcap", torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["auto", "blocksparse"])
@@ -90,11 +92,9 @@ def matrix_comparisons(backend: str = "blocksparse") -> list[Comparison]:
     """``run_case(MATRIX_CASE, backend)``'s comparisons (the same inputs), for printing."""
     c = MATRIX_CASE
     gen = torch.Generator().manual_seed(zlib.crc32(str(c).encode()))
-    q = torch.randn(c.B, c.Hq, c.Lq, c.D, generator=gen)  # [B, Hq, Lq, D]
-    k = torch.randn(c.B, c.Hkv, c.Lk, c.D, generator=gen)  # [B, Hkv, Lk, D]
-    v = torch.randn(c.B, c.Hkv, c.Lk, c.Dv, generator=gen)  # [B, Hkv, Lk, Dv]
-    mask = make_mask(c.mask, c, gen)
-    score_mod, params = make_score(c.score, c, gen)
+    q, k, v = make_qkv(c.shape, dtype=c.dtype, gen=gen)  # as run_case draws them
+    mask = make_mask(c.mask, c.shape, gen)
+    score_mod, params = make_score(c.score, c.shape, gen)
     fn = functools.partial(qkv.attention, backend=backend, return_lse=True)
     return compare_to_oracle(fn, q, k, v, mask=mask, score_mod=score_mod, extra_params=params)
 
