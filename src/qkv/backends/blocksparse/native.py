@@ -51,10 +51,12 @@ def _capability() -> str:
 
 
 def cache_dir() -> Path:
-    """Where the compiled kernels live (per torch version and CPU capability)."""
+    """Where the compiled kernels live: per torch version and CPU capability, then per build
+    stamp, so that two checkouts or versions of qkv sharing one cache each keep their own
+    library instead of rebuilding over each other's (seen with several worktrees here)."""
     root = os.environ.get("QKV_NATIVE_DIR") or Path.home() / ".cache" / "qkv" / "native"
     tag = f"torch-{torch.__version__.replace('+', '_')}-{_capability().lower()}"
-    return Path(root) / tag
+    return Path(root) / tag / _stamp()
 
 
 def _switched_off() -> bool:
