@@ -333,6 +333,9 @@ def _check_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -> o
         return None
     if isinstance(mask, Tensor):
         return _check_mask_tensor(mask, q, target)
+    from ._flexcompat import adopt_mask  # FlexAttention BlockMasks, vmap-only mask_mods
+
+    mask = adopt_mask(mask, q.device, target)
     checker = getattr(mask, "_check_problem", None)
     if checker is not None:  # built-in masks and block masks know their own constraints
         checker(*target)
@@ -350,6 +353,9 @@ def _check_score_mod(score_mod: object, q: Tensor, target: tuple[int, int, int, 
         return None
     if isinstance(score_mod, Tensor):
         return _check_bias_tensor(score_mod, q, target)
+    from ._flexcompat import adopt_score_mod  # vmap-only score_mods
+
+    score_mod = adopt_score_mod(score_mod)
     checker = getattr(score_mod, "_check_problem", None)
     if checker is not None:
         checker(*target)

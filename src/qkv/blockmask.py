@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._flexcompat import adopt_mask as _adopt_mask
 from ._validate import _as_4d, _broadcastable, check_mask_result, index_tensors
 
 Tensor = torch.Tensor
@@ -412,6 +413,7 @@ def block_mask(
         if check is not None:
             check(b_, h_, lq, lk)
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        mask = _adopt_mask(mask, dev, (b_, h_, lq, lk), lazy=True)  # vmap-only mask_mods
     else:
         raise TypeError(
             f"block_mask needs a mask_mod (b, h, q_idx, kv_idx) -> bool or a bool tensor, got "
