@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._flexplan import plan_notes
 from ._validate import Problem, validate
 from .backends._base import Backend
 from .backends.blocksparse import BlocksparseBackend
@@ -227,6 +228,7 @@ def explain(p: Problem, backend: object = "auto") -> Plan:
         notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
     elif density is None:
         notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
+    notes += plan_notes(p)  # mods evaluated through torch.vmap, and what that costs
     return Plan(
         backend=b.name,
         kernel=kernel,
