@@ -97,10 +97,9 @@ def _fast(mask=None, score_mod=None, **kw):
     """``qkv.attention`` with the vmap-only mods, whatever ``compare_to_oracle`` passes (it
     gives the broadcast twins to plain PyTorch and to the float64 oracle)."""
 
-    def fn(q, k, v, mask=None, score_mod=None, **_):
-        return qkv.attention(q, k, v, mask=mask_, score_mod=score_, return_lse=True, **kw)
+    def fn(q, k, v, **twins):
+        return qkv.attention(q, k, v, mask=mask, score_mod=score_mod, return_lse=True, **kw)
 
-    mask_, score_ = mask, score_mod
     return fn
 
 
@@ -234,8 +233,16 @@ def test_broadcast_mods_are_not_wrapped_and_plan_says_nothing():
 
     for mod in (same_doc, always, noop, flex.noop_mask):
         assert validate(q, k, v, mask=mod).mask is mod
-    closed = qkv.plan(q, k, v, mask=same_doc, score_mod=lambda s, b, h, i, j: s * 0.5)
-    assert "vmap" not in str(closed)
+
+    def half(score, b, h, q_idx, kv_idx):
+        return score * 0.5
+
+    assert "vmap" not in str(qkv.plan(q, k, v, mask=same_doc, score_mod=half))
+    # A score_mod is decided on its first real call; a broadcast one is then called directly.
+    w = validate(q, k, v, score_mod=half).score_mod
+    s = torch.randn(2, 4, 7, 113)
+    assert torch.equal(w(s, *validate(q, k, v).index_tensors()), s * 0.5)
+    assert w.decided and w.why is None and w.fn is half
     p = validate(q, k, v, score_mod=qkv.softcap(5.0))
     assert p.score_mod.__class__.__module__ == "qkv.scores"  # built-ins untouched
 

@@ -7,7 +7,9 @@ nested ``torch.vmap`` with 0-d indices (``_vmap_for_bhqkv`` in
 (``table[q_idx][kv_idx]``) or take ``torch.dot(Q[q_idx], K[kv_idx])``: under broadcasting
 those raise or return the wrong shape. Each user mod is classified once per call:
 
-- it works under broadcasting: it is called as it is;
+- it works under broadcasting: it is called as it is (unless its result depends on the rest
+  of the tile, a reduction such as ``.sum()`` without a dim that vmap takes per element:
+  a few positions are checked alone);
 - it works only under vmap: a :class:`ModCall` gives it the broadcast convention and
   evaluates exactly the tile it is given through nested vmaps (:func:`vmap_grid`);
 - neither: a ``ValueError`` with both errors and both conventions.
@@ -119,9 +121,12 @@ def _tile_free(fn: Any, args: tuple[Tensor, ...], full: Tensor) -> bool:
     return True
 
 
-def _decide(kind: str, fn: Any, args: tuple[Tensor, ...]) -> tuple[Any, str | None]:
+def _decide(
+    kind: str, fn: Any, args: tuple[Tensor, ...], alone: bool = True
+) -> tuple[Any, str | None]:
     """Call ``fn(*args)`` under broadcasting, else under vmap. Returns ``(result, why)``:
     ``why`` is None when broadcasting works, else why not (``result`` then came from vmap).
+    ``alone``: also check the broadcast result at a few positions alone (:func:`_tile_free`).
     Raises :class:`_SameError` when both fail alike, the usual ``TypeError`` for a result
     of the wrong type, and a ``ValueError`` when neither convention works."""
     grid = tuple(torch.broadcast_shapes(*(a.shape for a in args), (1, 1, 1, 1)))
@@ -141,7 +146,7 @@ def _decide(kind: str, fn: Any, args: tuple[Tensor, ...]) -> tuple[Any, str | No
         ):
             check(out, fn, grid, *extra)  # the usual TypeError
         if _broadcastable(tuple(out.shape), grid):
-            if _tile_free(fn, args, out.expand(grid)):
+            if not alone or _tile_free(fn, args, out.expand(grid)):
                 return out, None
             b_text = "returned values that depend on the rest of the tile (a reduction over it)"
         else:
@@ -197,7 +202,10 @@ class ModCall:
     def __call__(self, *args: Tensor) -> Any:
         if not self.decided:
             try:
-                out, self.why = _decide(self.kind, self.fn, args)
+                # qkv.block_mask evaluates a mask at each position exactly once: a mask_mod
+                # decided on its first tile is not evaluated again at positions alone.
+                alone = self.kind == "score_mod"
+                out, self.why = _decide(self.kind, self.fn, args, alone)
             except _SameError as e:  # its own bug: raised as it is
                 raise e.error from None
             self.decided = True
