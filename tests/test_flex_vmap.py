@@ -257,7 +257,7 @@ def test_plan_says_when_a_mod_runs_through_vmap_and_its_cost():
             rf"note: {kind} {name} is evaluated through torch\.vmap \(under broadcasting it "
             rf"raised IndexError: [^\n]*\): about \d+\.\dx slower to evaluate than a "
             rf"broadcast mod \(a table lookup on a 128x128 tile: \d+ us through vmap, \d+ us "
-            rf"broadcast; {name} takes \d+ us on a 113x64 tile\)"
+            rf"broadcast; {name} takes \d+ us on a 113x64 tile of one \(b, h\)\)"
         )
         assert re.search(pattern, text), text
     assert "score   : learned_bias (through torch.vmap)" in text

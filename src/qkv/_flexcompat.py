@@ -57,7 +57,11 @@ def vmap_grid(fn: Callable[..., Any], args: tuple[Tensor, ...], empty: torch.dty
 
     As FlexAttention does, one vmap level per dim; but an argument is mapped only along the
     dims where it has more than one entry, so ``table[q_idx]`` gathers ``[n2, ...]``, not
-    ``[n0, n1, n2, n3, ...]``, and nothing is expanded beyond the grid it is given.
+    ``[n0, n1, n2, n3, ...]``, and nothing is expanded beyond the grid it is given. What
+    the mod gathers is its own: ``bias[h][q_idx][kv_idx]`` on a ``[H, Lq, Lk]`` bias copies
+    ``bias[h]`` (all of it) for every tile: 40x a broadcast ``bias[h, q_idx, kv_idx]`` on a
+    ``[2, 8, 128, 128]`` tile at Lq = Lk = 1024 (measured; eager vmap gathers where
+    FlexAttention's compiled kernels load).
     """
     args4 = [a.reshape((1,) * (4 - a.ndim) + tuple(a.shape)) for a in args]  # 4-D views
     grid = torch.broadcast_shapes(*(a.shape for a in args4))

@@ -93,6 +93,6 @@ def plan_notes(p: Any) -> list[str]:
             f"{w.kind} {w.__name__} is evaluated through torch.vmap ({w.why}): about "
             f"{tv / tb:.1f}x slower to evaluate than a broadcast mod (a table lookup on a "
             f"{_TILE}x{_TILE} tile: {tv * 1e6:.0f} us through vmap, {tb * 1e6:.0f} us "
-            f"broadcast; {w.__name__} takes {own * 1e6:.0f} us on a {r}x{c} tile)"
+            f"broadcast; {w.__name__} takes {own * 1e6:.0f} us on a {r}x{c} tile of one (b, h))"
         )
     return notes
