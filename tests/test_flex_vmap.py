@@ -156,9 +156,9 @@ def test_wrapper_evaluates_exactly_the_tile_it_is_given():
 
 
 def test_reductions_over_the_tile_are_caught():
-    """``(fq[q_idx] * fk[kv_idx]).sum()`` is a dot product per element under vmap, but runs
-    under broadcasting too, summing the whole tile: qkv evaluates such a mod at a few
-    positions alone (or, for one value for the tile, through vmap) and believes vmap."""
+    """``(fq[q_idx] * fk[kv_idx]).sum()`` is a dot product per element under vmap, but also
+    runs under broadcasting, summing the whole tile. qkv checks one value for a whole tile
+    against vmap, and other results at two positions evaluated alone; it believes vmap."""
     q, k, v, gen = _inputs(SHAPES[1])
     fq, fk = features(7, 113, gen)
     dots = fq @ fk.T  # [Lq, Lk]
@@ -166,20 +166,17 @@ def test_reductions_over_the_tile_are_caught():
     def summed(b, h, q_idx, kv_idx):
         return (fq[q_idx] * fk[kv_idx]).sum() > 0.5
 
-    def summed_or_first(b, h, q_idx, kv_idx):
-        return summed(b, h, q_idx, kv_idx) | (kv_idx == 0)
-
     def score_sum(score, b, h, q_idx, kv_idx):
         return score + 0.1 * (fq[q_idx] * fk[kv_idx]).sum()
 
-    first = torch.arange(113) == 0
-    for mod, mask in ((summed, dots > 0.5), (summed_or_first, (dots > 0.5) | first)):
-        p = validate(q, k, v, mask=mod)
-        assert isinstance(p.mask, ModCall) and "depend on the rest of the tile" in p.mask.why
-        want, _ = qkv.reference.attention(q, k, v, mask=mask)
-        torch.testing.assert_close(qkv.attention(q, k, v, mask=mod), want)
-    want, _ = qkv.reference.attention(q, k, v, score_mod=0.1 * dots)
-    torch.testing.assert_close(qkv.attention(q, k, v, score_mod=score_sum), want)
+    p = validate(q, k, v, mask=summed)
+    assert isinstance(p.mask, ModCall) and "depend on the rest of the tile" in p.mask.why
+    want, _ = qkv.reference.attention(q, k, v, mask=dots > 0.5)
+    torch.testing.assert_close(qkv.attention(q, k, v, mask=summed), want)
+    for backend in BACKENDS:
+        want, _ = qkv.reference.attention(q, k, v, score_mod=0.1 * dots)
+        got = qkv.attention(q, k, v, score_mod=score_sum, backend=backend)
+        torch.testing.assert_close(got, want)
 
 
 def test_combinations_and_kv_cache_wrap_their_parts():

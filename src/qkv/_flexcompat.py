@@ -95,9 +95,10 @@ def _close(a: Tensor, b: Tensor) -> bool:
 
 
 def _at(a: Tensor, i: int, j: int) -> Tensor:
-    """``a`` (broadcastable to a 4-D tile) at query ``i`` and key ``j`` of the tile (every b
-    and h kept: a score_mod only ever sees real scores, and these are)."""
-    a = a.reshape((1,) * (4 - a.ndim) + tuple(a.shape))
+    """``a`` (broadcastable to a 4-D tile) at query ``i`` and key ``j`` of the tile, every
+    b and h kept (a score_mod only ever sees real scores: these are)."""
+    if a.ndim < 4:
+        a = a.reshape((1,) * (4 - a.ndim) + tuple(a.shape))
     rows = slice(i, i + 1) if a.shape[2] > 1 else slice(None)  # a dim of 1 broadcasts
     keys = slice(j, j + 1) if a.shape[3] > 1 else slice(None)
     return a[:, :, rows, keys]
@@ -106,22 +107,22 @@ def _at(a: Tensor, i: int, j: int) -> Tensor:
 def _tile_free(fn: Any, args: tuple[Tensor, ...], full: Tensor) -> bool:
     """False if ``full`` (``fn`` under broadcasting on the tile of ``args``) depends on the
     rest of the tile: a reduction over it (``.sum()`` without a dim), which vmap would have
-    taken per element. One value for the whole tile is checked against vmap; otherwise a few
-    (query, key) positions against ``fn`` evaluated on each alone."""
+    taken per element. One value for the whole tile is checked against vmap; otherwise the
+    first and last (query, key) of the tile against ``fn`` evaluated on each alone. (Two
+    calls: certain for a score_mod's floats, likely for a mask's bools.)"""
     if full.stride() == (0,) * full.ndim and full.numel() > 1:  # a constant, or a reduction
         try:
             return _close(vmap_grid(fn, args, full.dtype), full)
         except Exception:  # vmap cannot say otherwise
             return True
-    n, m = full.shape[2] - 1, full.shape[3] - 1
-    for i, j in {(0, 0), (n, m), (0, m), (n, 0)}:
+    for i, j in {(0, 0), (full.shape[2] - 1, full.shape[3] - 1)}:
+        want = _at(full, i, j)
         try:
-            r = fn(*(_at(a, i, j) for a in args))
-            r = torch.as_tensor(r, device=full.device).expand_as(full[:, :, i : i + 1, j : j + 1])
+            got = torch.as_tensor(fn(*(_at(a, i, j) for a in args)), device=full.device)
+            if not _close(got.expand_as(want), want):
+                return False
         except Exception:  # it may need a larger tile: nothing to say then
             continue
-        if not _close(r, full[:, :, i : i + 1, j : j + 1]):
-            return False
     return True
 
 
@@ -133,7 +134,8 @@ def _decide(
     ``alone``: also check the broadcast result at a few positions alone (:func:`_tile_free`).
     Raises :class:`_SameError` when both fail alike, the usual ``TypeError`` for a result
     of the wrong type, and a ``ValueError`` when neither convention works."""
-    grid = tuple(torch.broadcast_shapes(*(a.shape for a in args), (1, 1, 1, 1)))
+    dims = [(1,) * (4 - a.ndim) + tuple(a.shape) for a in args]
+    grid = tuple(max(n) for n in zip(*dims, strict=True))  # they broadcast (qkv's callers)
     mask = kind == "mask_mod"
     check = check_mask_result if mask else check_score_result
     extra = () if mask else (args[0].dtype,)
@@ -186,7 +188,7 @@ def _decide(
 def _probe(B: int, H: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tensor, ...]:
     """Index tensors of a few real positions per dim (both ends and the middle), as qkv
     passes them: ``b [<=4,1,1,1]``, ``h [1,<=4,1,1]``, ``q_idx [1,1,<=4,1]``, ``kv_idx``."""
-    pos = [sorted({0, 1, n // 2, n - 1} & set(range(n))) for n in (B, H, Lq, Lk)]
+    pos = [sorted(i for i in {0, 1, n // 2, n - 1} if 0 <= i < n) for n in (B, H, Lq, Lk)]
     return tuple(
         torch.tensor(p, device=device).view([-1 if d == i else 1 for d in range(4)])
         for i, p in enumerate(pos)
