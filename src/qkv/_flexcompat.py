@@ -59,7 +59,7 @@ def vmap_grid(fn: Callable[..., Any], args: tuple[Tensor, ...], empty: torch.dty
     dims where it has more than one entry, so ``table[q_idx]`` gathers ``[n2, ...]``, not
     ``[n0, n1, n2, n3, ...]``, and nothing is expanded beyond the grid it is given. What
     the mod gathers is its own: ``bias[h][q_idx][kv_idx]`` on a ``[H, Lq, Lk]`` bias copies
-    ``bias[h]`` (all of it) for every tile: 40x a broadcast ``bias[h, q_idx, kv_idx]`` on a
+    ``bias[h]`` (all of it) for every tile: 27-43x a broadcast ``bias[h, q_idx, kv_idx]`` on a
     ``[2, 8, 128, 128]`` tile at Lq = Lk = 1024 (measured; eager vmap gathers where
     FlexAttention's compiled kernels load).
     """
