@@ -5,7 +5,7 @@ over its whole group of query heads (``g * rows`` terms summed at once). Where M
 reduction in order (the AMD EPYC of benchmarks/RESULTS.md, 2026-12-01, and machines without
 AVX-512), that came out up to ~11x further from the float64 oracle than plain PyTorch, which
 sums per head and then over the heads. These cases failed the oracle comparison before the
-backward summed per query head first (``group_sum`` in backends/blocksparse/backward.py), at
+backward summed per query head first (``group_sum`` in backends/blocksparse/grads.py), at
 the unchanged 3x gradient ratio.
 
 The cases are narrow (D=8: MKL's in-order path) with few visible keys and a callable

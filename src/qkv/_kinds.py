@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ._flexcompat import ModCall
 from .masks import _And, _Band, _Document, _KvBelow, _Or, causal
 from .scores import _Alibi, _RelativeBias, _Softcap
 
@@ -201,6 +202,13 @@ def describe(obj: object) -> str:
 # ------------------------------------------------------------------------------ masks
 
 
+def _evaluation(fn: object) -> str:
+    """How a user mod is called: "vmap" once it is known to work only under FlexAttention's
+    convention (``qkv._flexcompat``), else "broadcast" (a score_mod decides on its first
+    call, so its kind may say "broadcast" until then)."""
+    return "vmap" if isinstance(fn, ModCall) and fn.decided and fn.why is not None else "broadcast"
+
+
 def classify_mask(mask: object) -> MaskKind:
     """The kind of a mask: ``None``, a 4-D bool tensor (already checked), a built-in mask or
     combination, or a user mask_mod. A :class:`qkv.BlockMask` is handled by the caller
@@ -220,7 +228,7 @@ def classify_mask(mask: object) -> MaskKind:
     if isinstance(mask, _Or):
         return _simplify_or(tuple(classify_mask(m) for m in mask.mods), mask)
     if callable(mask):
-        return MaskKind("mod", mask, source=mask)
+        return MaskKind("mod", mask, source=mask, evaluation=_evaluation(mask))
     raise TypeError(
         f"mask must be None, a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool, "
         f"a qkv.BlockMask or a FlexAttention BlockMask; got {type(mask).__name__}"
@@ -329,7 +337,9 @@ def classify_score(score_mod: object) -> ScoreKind:
         if isinstance(score_mod, cls):
             return ScoreKind(kind, score_mod=score_mod, source=score_mod)
     if callable(score_mod):
-        return ScoreKind("mod", score_mod=score_mod, source=score_mod)
+        return ScoreKind(
+            "mod", score_mod=score_mod, source=score_mod, evaluation=_evaluation(score_mod)
+        )
     raise TypeError(
         f"score_mod must be None, a float bias tensor, or a callable "
         f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"

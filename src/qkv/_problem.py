@@ -20,6 +20,8 @@ from ._checks import (
     check_scale,
     index_tensors,
 )
+from ._flexblockmask import from_flex_block_mask
+from ._flexcompat import adopt_mask, adopt_score_mod, is_flex_block_mask
 from ._kinds import MaskKind, ScoreKind, classify_mask, classify_score
 from .blockmask import BlockMask
 
@@ -138,11 +140,14 @@ def mask_kind(mask: object) -> MaskKind:
 
 
 def _classify_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -> MaskKind:
+    if is_flex_block_mask(mask):  # FlexAttention's block lists and mask_mod, as qkv's
+        mask = from_flex_block_mask(mask, *target, device=q.device)
     if isinstance(mask, BlockMask):
         mask.check_problem(*target)
         return mask.kind
     if isinstance(mask, Tensor):
         return classify_mask(check_mask_tensor(mask, q, target))
+    mask = adopt_mask(mask, q.device, target)  # a mask_mod written for vmap is wrapped
     checker = getattr(mask, "_check_problem", None)
     if checker is not None:  # built-in masks know their own constraints
         checker(*target)
@@ -152,6 +157,9 @@ def _classify_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -
 def _classify_score(score_mod: object, q: Tensor, target: tuple[int, int, int, int]) -> ScoreKind:
     if isinstance(score_mod, Tensor):
         return classify_score(check_bias_tensor(score_mod, q, target))
+    score_mod = adopt_score_mod(
+        score_mod
+    )  # a score_mod written for vmap: decided when first called
     checker = getattr(score_mod, "_check_problem", None)
     if checker is not None:
         checker(*target)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._checks import as_4d, broadcastable
+from ._flexcompat import adopt_mask
 from ._kinds import MaskKind, classify_mask
 from ._tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
 
@@ -266,6 +267,7 @@ def block_mask(
         if check is not None:
             check(b_, h_, lq, lk)
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        mask = adopt_mask(mask, dev, (b_, h_, lq, lk), lazy=True)  # vmap-only mask_mods
     else:
         raise TypeError(
             f"block_mask needs a mask_mod (b, h, q_idx, kv_idx) -> bool or a bool tensor, got "

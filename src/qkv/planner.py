@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._flexplan import plan_notes
 from ._problem import Problem, validate
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import Backend, Route
@@ -178,6 +179,8 @@ class Plan:
         return 2.0 * pairs * (p.D + p.Dv)
 
     def __str__(self) -> str:
+        # First: a score_mod not called yet is decided here, and then named by how it runs.
+        vmap_notes = plan_notes(self.problem)  # mods evaluated through vmap, and their cost
         s = self.shape
         dens = "unknown" if self.density is None else f"{self.density:.1%}"
         lines = [
@@ -194,7 +197,7 @@ class Plan:
         if self.rejected:
             lines.append("  passed over:")
             lines += [f"    {n}: {why}" for n, why in self.rejected.items()]
-        notes = list(self.notes)
+        notes = [*self.notes, *vmap_notes]
         if self.density is None and self.block_density is not None:
             notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
         elif self.density is None:

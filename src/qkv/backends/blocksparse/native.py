@@ -233,7 +233,7 @@ def band_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq, dk, dv`` (float32) of :func:`band_forward`'s band, recomputed from its ``out``
     and lse (as float32 ``hi + lo`` parts of the float64 lse, rows without keys finite:
-    ``_blocksparse_bwd.lse_hi_lo``) and the upstream ``dout`` and ``dlse`` (``None`` when
+    ``grads.lse_hi_lo``) and the upstream ``dout`` and ``dlse`` (``None`` when
     nothing flowed into the lse)."""
     op = band_forward_op()
     if op is None:
