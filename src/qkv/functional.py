@@ -43,7 +43,9 @@ def attention(
             ``None``; a bool tensor broadcastable to ``[B, Hq, Lq, Lk]`` (True = may
             attend); a mask_mod ``(b, h, q_idx, kv_idx) -> bool tensor`` such as
             :data:`qkv.causal` (called with broadcastable int64 index tensors, no vmap or
-            compile); or a prebuilt block mask.
+            compile; a mod written for FlexAttention's vmap is evaluated through
+            ``torch.vmap`` instead); or a prebuilt ``qkv.BlockMask`` or FlexAttention
+            ``BlockMask``.
         score_mod: ``None``; a float bias broadcastable to ``[B, Hq, Lq, Lk]`` added to the
             scaled scores; or ``(score, b, h, q_idx, kv_idx) -> score`` applied to the scaled
             scores before masking. Gradients reach the bias and tensors a score_mod closes over.
