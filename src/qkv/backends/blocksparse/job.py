@@ -166,7 +166,9 @@ class Job:
         return self.fwd if self.bwd_build is None else self.bwd_build()
 
     def for_run(self, **per_call: Any) -> Job:
-        """This job with the per-call values set."""
+        """This job with the per-call values set (itself when they are the defaults)."""
+        if all(v is None or v == 0 or v == () for v in per_call.values()):
+            return self
         return replace(self, **per_call)
 
     # -- masks -------------------------------------------------------------------------
