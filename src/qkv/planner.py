@@ -109,7 +109,7 @@ class Plan:
     backward: str  # the backward kernel (runs only when gradients are needed)
     rejected: dict[str, str]
     extra_memory: int  # estimated peak bytes beyond inputs and output
-    notes: tuple[str, ...] = ()
+    route_notes: tuple[str, ...] = ()  # the backend's own remarks on its route
     problem: Problem = field(repr=False)
     route: Route = field(repr=False)
 
@@ -178,9 +178,20 @@ class Plan:
         pairs = p.B * p.Hq * p.Lq * p.Lk * (1.0 if share is None else share)
         return 2.0 * pairs * (p.D + p.Dv)
 
+    @functools.cached_property
+    def notes(self) -> list[str]:
+        """Everything worth saying beyond the lines above: the backend's remarks, what is
+        not known about the mask's density, mods evaluated through vmap and their cost (a
+        score_mod not called yet is decided here, on a few real positions)."""
+        notes = list(self.route_notes)
+        if self.density is None and self.block_density is not None:
+            notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
+        elif self.density is None:
+            notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
+        return notes + plan_notes(self.problem)
+
     def __str__(self) -> str:
-        # First: a score_mod not called yet is decided here, and then named by how it runs.
-        vmap_notes = plan_notes(self.problem)  # mods evaluated through vmap, and their cost
+        notes = self.notes  # first: it decides a score_mod, which is then named by how it runs
         s = self.shape
         dens = "unknown" if self.density is None else f"{self.density:.1%}"
         lines = [
@@ -197,11 +208,6 @@ class Plan:
         if self.rejected:
             lines.append("  passed over:")
             lines += [f"    {n}: {why}" for n, why in self.rejected.items()]
-        notes = [*self.notes, *vmap_notes]
-        if self.density is None and self.block_density is not None:
-            notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
-        elif self.density is None:
-            notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
         lines += [f"  note: {n}" for n in notes]
         return "\n".join(lines)
 
@@ -259,7 +265,7 @@ def _plan(b: Backend, route: Route, rejected: dict[str, str], p: Problem) -> Pla
         backward=route.backward,
         rejected=rejected,
         extra_memory=route.extra_memory,
-        notes=route.notes,
+        route_notes=route.notes,
         problem=p,
         route=route,
     )

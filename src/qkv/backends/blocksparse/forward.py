@@ -132,12 +132,17 @@ def softmax_lse(s: Tensor) -> tuple[Tensor, Tensor]:
     mx = s.detach().amax(dim=-1, keepdim=True)  # [..., 1]
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     e = torch.exp(s - mx)
-    den = e.sum(dim=-1, keepdim=True)  # [..., 1]
-    seen = den > 0
-    safe = torch.where(seen, den, torch.ones_like(den))
-    lse = torch.log(safe).double() + mx.double()
+    # The row sum in float64 too: the backward recomputes P = exp(s - lse) without dividing
+    # by a row sum, so an lse off by the float32 sum's rounding (~1e-7 relative) leaves rows of
+    # P summing to 1 + 1e-7 and dS rows to D * 1e-7, which gradients weighting whole rows
+    # (an ALiBi slope: sum of dS * (kv - q)) multiply by the distance: 7x plain PyTorch's
+    # error at Lq=113, Lk=256 (issue 9).
+    den64 = e.sum(dim=-1, keepdim=True, dtype=torch.float64)  # [..., 1]
+    seen = den64 > 0
+    safe64 = torch.where(seen, den64, torch.ones_like(den64))
+    lse = torch.log(safe64) + mx.double()
     lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
-    return e / safe, lse.squeeze(-1)
+    return e / safe64.to(e.dtype), lse.squeeze(-1)
 
 
 def merge(acc: tuple[Tensor, Tensor] | None, new: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
