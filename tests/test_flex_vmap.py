@@ -236,12 +236,14 @@ def test_broadcast_mods_are_not_wrapped_and_plan_says_nothing():
     def half(score, b, h, q_idx, kv_idx):
         return score * 0.5
 
-    assert "vmap" not in str(qkv.plan(q, k, v, mask=same_doc, score_mod=half))
-    # A score_mod is decided on its first real call; a broadcast one is then called directly.
+    # A score_mod is decided on its first real call; a broadcast one is then called directly,
+    # and later calls on this device type get the function itself.
     w = validate(q, k, v, score_mod=half).score.score_mod
     s = torch.randn(2, 4, 7, 113)
     assert torch.equal(w(s, *validate(q, k, v).index_tensors()), s * 0.5)
     assert w.decided and w.why is None and w.fn is half
+    assert validate(q, k, v, score_mod=half).score.score_mod is half
+    assert "vmap" not in str(qkv.plan(q, k, v, mask=same_doc, score_mod=half))
     p = validate(q, k, v, score_mod=qkv.softcap(5.0))
     assert p.score.score_mod.__class__.__module__ == "qkv.scores"  # built-ins untouched
 

@@ -217,6 +217,8 @@ class ModCall:
             except _SameError as e:  # its own bug: raised as it is
                 raise e.error from None
             self.decided = True
+            if alone:  # a full decision (a lazy mask's skips the check of positions alone)
+                _remember(self.kind, self.fn, args[0].device.type, self.why)
             return out
         if self.why is None:
             return self.fn(*args)
@@ -240,25 +242,39 @@ def mask_mod_convention(
     [1, 4, 64, 16] problem, where attention itself takes ~100 us)."""
     if device.type == "meta" or B * H * Lq * Lk == 0:
         return fn  # nothing to evaluate (qkv.plan on meta tensors, empty problems)
-    try:
-        known = _decided.get(fn)
-    except TypeError:  # unhashable, or not weakly referenceable: decided every call
-        known = None
-    if known is not None and device.type in known:
-        why = known[device.type]
-        return fn if why is None else ModCall("mask_mod", fn, why, decided=True)
+    known = _known("mask_mod", fn, device.type)
+    if known is not None:
+        return known
     try:
         _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device))
     except _SameError:  # its own bug: it surfaces where it always did, after the input checks
         return fn
-    with contextlib.suppress(TypeError):  # a callable that cannot be weakly referenced
-        _decided.setdefault(fn, {})[device.type] = why
+    _remember("mask_mod", fn, device.type, why)
     return fn if why is None else ModCall("mask_mod", fn, why, decided=True)
 
 
-# A mask_mod's convention per device type, decided once: None (broadcasting works) or why
-# it needs vmap. Weak keys: a mod garbage-collected takes its entry with it.
-_decided: weakref.WeakKeyDictionary[Any, dict[str, str | None]] = weakref.WeakKeyDictionary()
+# A user mod's convention per (kind, device type), decided once: None (broadcasting works) or
+# why it needs vmap. Weak keys: a mod garbage-collected takes its entry with it.
+_decided: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _known(kind: str, fn: Any, device_type: str) -> Any:
+    """What to call for ``fn`` if its convention was decided before, else ``None``."""
+    try:
+        known = _decided.get(fn)
+    except TypeError:  # unhashable, or not weakly referenceable: decided every call
+        return None
+    if known is None or (kind, device_type) not in known:
+        return None
+    why = known[(kind, device_type)]
+    return fn if why is None else ModCall(kind, fn, why, decided=True)
+
+
+def _remember(kind: str, fn: Any, device_type: str, why: str | None) -> None:
+    with contextlib.suppress(TypeError):  # a callable that cannot be weakly referenced
+        _decided.setdefault(fn, {})[(kind, device_type)] = why
 
 
 def adopt_mask(
@@ -277,10 +293,16 @@ def is_flex_block_mask(obj: object) -> bool:
     return flex is not None and isinstance(obj, flex.BlockMask)
 
 
-def adopt_score_mod(score_mod: Any) -> Any:
-    """What ``_check_score_mod`` keeps of a callable: a user score_mod in a :class:`ModCall`
-    that decides on its first (real) call, qkv's own unchanged."""
-    return _adopt(score_mod, lambda fn: ModCall("score_mod", fn, None, decided=False))
+def adopt_score_mod(score_mod: Any, device: torch.device) -> Any:
+    """What the door keeps of a callable: a user score_mod as decided on an earlier call on
+    this device type, else in a :class:`ModCall` that decides on its first (real) call;
+    qkv's own unchanged."""
+
+    def wrap(fn: Any) -> Any:
+        known = _known("score_mod", fn, device.type)
+        return known if known is not None else ModCall("score_mod", fn, None, decided=False)
+
+    return _adopt(score_mod, wrap)
 
 
 def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:

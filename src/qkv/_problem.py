@@ -157,9 +157,8 @@ def _classify_mask(mask: object, q: Tensor, target: tuple[int, int, int, int]) -
 def _classify_score(score_mod: object, q: Tensor, target: tuple[int, int, int, int]) -> ScoreKind:
     if isinstance(score_mod, Tensor):
         return classify_score(check_bias_tensor(score_mod, q, target))
-    score_mod = adopt_score_mod(
-        score_mod
-    )  # a score_mod written for vmap: decided when first called
+    # A score_mod written for vmap is wrapped: decided on its first call (once per function).
+    score_mod = adopt_score_mod(score_mod, q.device)
     checker = getattr(score_mod, "_check_problem", None)
     if checker is not None:
         checker(*target)
