@@ -239,9 +239,10 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
     if name != "auto":
         b = BACKENDS[name]
         why = b.rejects(p)
-        route = None if why is not None else b.route(p, dry_run=dry_run)
-        why = why or (_too_big(b, route) if route is not None else None)
-        if why is not None or route is None:
+        if why is None:
+            route = b.route(p, dry_run=dry_run)
+            why = _too_big(b, route)
+        if why is not None:
             raise ValueError(f"backend {name!r} cannot compute this problem: {why}")
         others = {n: "not requested (backend was named explicitly)" for n in BACKENDS if n != name}
         return _plan(b, route, others, p)
