@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 # Test-time peers (transformers, sentence-transformers: ~370 MB), for the tests only.
 $(BIN)/.installed-test: $(BIN)/.installed
-	$(PIP) -e '.[dev,models,explain,models-test]'
+	$(PIP) -e '.[dev,models,explain,models-test,hf]'
 	touch $@
 
 demo: $(BIN)/.installed

@@ -37,6 +37,10 @@ class AttentionLayer:
 ACTIVE: ContextVar[Observer | None] = ContextVar("qkv_recorder", default=None)
 # The name of the innermost recorded attention module whose forward is running.
 LAYER: ContextVar[str] = ContextVar("qkv_layer", default="")
+# The module a call is made for when that module is not a qkv one (qkv.hf's attention function
+# sets it to the transformers attention module): the recorder names the call by that module's
+# dotted name inside the recorded model.
+CALLER: ContextVar[object | None] = ContextVar("qkv_caller", default=None)
 
 _open = 0  # record() blocks open in any thread; while 0, current() reads nothing else
 _lock = threading.Lock()

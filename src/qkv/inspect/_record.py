@@ -104,13 +104,19 @@ class Recording:
     follow the call order.
     """
 
-    def __init__(self, keep: Literal["qk", "stats"], top_k: int) -> None:
+    def __init__(
+        self, keep: Literal["qk", "stats"], top_k: int, names: dict[int, str] | None = None
+    ) -> None:
         self.keep, self.top_k = keep, top_k
         self.captures: list[Capture] = []
+        self._names = names or {}  # id(submodule) -> dotted name, for _recording.CALLER
 
     def observe(self, problem: Any, lse: Tensor) -> None:
         p: Problem = problem
-        layer = _recording.LAYER.get()
+        caller = _recording.CALLER.get()
+        layer = self._names.get(id(caller)) if caller is not None else None
+        if layer is None:
+            layer = _recording.LAYER.get()
         lse = lse.detach()
         mask, score_mod = p.mask.given, p.score.given  # what the call was given
         if self.keep == "stats":
@@ -158,7 +164,8 @@ def record(
     lookup). Inside the block, each call asks its backend for the lse too (so the planner may pick a
     different, lse-capable backend than it would otherwise) and the caller still gets what it
     asked for. Calls inside a ``qkv.MultiHeadAttention`` submodule of ``module`` are named by
-    that submodule's dotted name. Recordings nest: an inner one takes the calls until it ends.
+    that submodule's dotted name, and so are the calls qkv's transformers attention function
+    (:mod:`qkv.hf`) makes for a layer of a Hugging Face model. Recordings nest: an inner one takes the calls until it ends.
     A call that names ``backend="sdpa"`` explicitly fails while recording (SDPA cannot return
     the lse). Calls made with ``need_weights=True`` are recorded like any other (the module
     computes them with ``qkv.attention`` and rebuilds the weights from the lse).
@@ -188,7 +195,7 @@ def record(
         raise ValueError(f"keep must be 'qk' or 'stats', got {keep!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-    rec = Recording(keep, top_k)
+    rec = Recording(keep, top_k, {id(m): n for n, m in module.named_modules()})
     tokens: dict[int, list[Token[str]]] = {}
     handles = []
     for name, m in _attention_modules(module):

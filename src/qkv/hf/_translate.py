@@ -1,0 +1,227 @@
+"""transformers' mask description → one qkv mask over the attention call's buffer.
+
+transformers describes every mask as a ``mask_function(batch_idx, head_idx, q_idx, kv_idx)``
+(FlexAttention's convention, True = attend) built from a handful of closures in
+``transformers.masking_utils`` — ``causal_mask_function``, ``sliding_window_overlay(w)``,
+``padding_mask_function(pm)``, ``packed_sequence_mask_function(ids)``, ``and_masks``,
+``or_masks`` ... — evaluated at *absolute* positions ``q_idx + q_offset``,
+``kv_idx + kv_offset``. Its own ``sdpa``/``eager`` mask builders evaluate that function on
+every ``[B, 1, Lq, Lk]`` position. Here the closures are read instead (their names and the
+values they close over), so each becomes the qkv built-in it is, already shifted into buffer
+coordinates:
+
+    causal_mask_function                  kv <= q             -> band (-inf, d]
+    sliding_window_overlay(w)             kv > q - w          -> band [1 - w + d, inf)
+    sliding_window_bidirectional_overlay  |q - kv| <= w       -> band [-w + d, w + d]
+    bidirectional_mask_function           everything          -> no mask
+    padding_mask_function(pm)             pm[b, kv]           -> qkv.padding(lengths), or a
+                                                                 key mask for left padding
+    packed_sequence_mask_function(ids)    ids[b,q] == ids[b,kv] -> qkv.document(ids)
+    and_masks / or_masks                                      -> qkv.and_masks / or_masks
+
+with ``d = q_offset - kv_offset`` (the buffer band ``lo <= j - i <= hi`` of an absolute band
+``lo' <= kv_abs - q_abs <= hi'`` is ``lo = lo' + d``). qkv then plans the result
+block-sparse: a window skips the key blocks it cannot see, and ``and(causal, window)`` is the
+band kernel. Anything not recognised (a model's own overlay, chunked attention with per-row
+left padding, the multimodal blockwise overlay) stays a mask_mod, called with broadcast index
+tensors at absolute positions: exact, evaluated tile by tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import masks
+from .._kinds import band, classify_mask
+
+Tensor = torch.Tensor
+
+_MODULE = "transformers.masking_utils"
+
+
+class Frame:
+    """Where one attention call's buffer sits in the sequence."""
+
+    def __init__(self, B: int, Lq: int, Lk: int, q_offset: int, kv_offset: int) -> None:
+        self.B, self.Lq, self.Lk = B, Lq, Lk
+        self.q_offset, self.kv_offset = q_offset, kv_offset
+        self.d = q_offset - kv_offset  # kv_abs - q_abs = (j - i) - d
+
+
+class _AtPositions:
+    """A transformers mask_function evaluated at absolute positions (``q_idx + q_offset``,
+    ``kv_idx + kv_offset``): the fallback for closures qkv does not recognise."""
+
+    def __init__(self, fn: Callable[..., Any], q_offset: int, kv_offset: int) -> None:
+        self.fn, self.q_offset, self.kv_offset = fn, q_offset, kv_offset
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = self.fn(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
+        if not isinstance(out, Tensor):
+            out = torch.as_tensor(out, device=q_idx.device)
+        return out.to(torch.bool)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        at = f"q from {self.q_offset}, kv from {self.kv_offset}"
+        return f"transformers mask_function {name} ({at})"
+
+    @property
+    def __name__(self) -> str:
+        return repr(self)
+
+
+class _KeyMask:
+    """``keep[b, kv_idx]``: key padding that is not a prefix of each row (left padding)."""
+
+    def __init__(self, keep: Tensor) -> None:
+        self.keep = keep  # [B, Lk] bool, buffer coordinates
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        keep = self.keep.to(kv_idx.device)
+        if keep.shape[0] == 1:
+            b = torch.zeros_like(b)
+        return keep[b, kv_idx]  # [B|1, 1, 1, Lk]
+
+    def __repr__(self) -> str:
+        return f"key padding mask {list(self.keep.shape)}"
+
+    @property
+    def __name__(self) -> str:
+        return repr(self)
+
+
+class _RowDocuments:
+    """``ids[b, q_idx] == ids[b, kv_idx]``: packed documents that differ between rows."""
+
+    def __init__(self, ids: Tensor) -> None:
+        self.ids = ids  # [B, L]
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        ids = self.ids.to(q_idx.device)
+        return ids[b, q_idx] == ids[b, kv_idx]  # [B, 1, Lq, Lk]
+
+    def __repr__(self) -> str:
+        return f"packed documents per row {list(self.ids.shape)}"
+
+    @property
+    def __name__(self) -> str:
+        return repr(self)
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    return {name: c.cell_contents for name, c in zip(code.co_freevars, cells, strict=False)}
+
+
+def _which(fn: Any) -> str | None:
+    """The transformers closure ``fn`` is (``"and_masks"``, ``"causal_mask_function"``, ...),
+    or ``None`` for anything else."""
+    if getattr(fn, "__module__", None) != _MODULE:
+        return None
+    qual = getattr(fn, "__qualname__", "")
+    return qual.split(".<locals>.")[0]
+
+
+# Sentinels inside the translation: "every position" (drops out of an and, absorbs an or).
+_ALL = object()
+
+
+def translate(fn: Any, frame: Frame, padding: Tensor | None) -> object:
+    """The qkv mask (``None`` = no mask) equal to ``fn`` on ``frame``'s buffer, and-ed with the
+    2-D key ``padding`` mask ``[B, >= kv_offset + Lk]`` (True = a real token) when given."""
+    parts = [fn] if padding is None else [fn, ("padding", padding)]
+    out = _and([_one(p, frame, parts) for p in parts])
+    return None if out is _ALL else out
+
+
+def _one(fn: Any, f: Frame, siblings: list[Any]) -> object:
+    if isinstance(fn, tuple) and fn[0] == "padding":
+        return _padding(fn[1], f)
+    which, cl = _which(fn), _closure(fn)
+    if which == "causal_mask_function":
+        return _band(None, f.d, f)
+    if which == "bidirectional_mask_function":
+        return _ALL
+    if which == "sliding_window_overlay" and isinstance(cl.get("sliding_window"), int):
+        return _band(1 - cl["sliding_window"] + f.d, None, f)
+    if which == "sliding_window_bidirectional_overlay" and isinstance(
+        cl.get("sliding_window"), int
+    ):
+        w = cl["sliding_window"]
+        return _band(-w + f.d, w + f.d, f)
+    if which == "padding_mask_function" and isinstance(cl.get("padding_mask"), Tensor):
+        return _padding(cl["padding_mask"], f)
+    if which == "packed_sequence_mask_function" and f.d == 0 and f.kv_offset == 0:
+        return _documents(cl["packed_sequence_mask"], f)
+    if which in ("and_masks", "or_masks"):
+        mods = list(cl.get("mask_functions", ()))
+        parts = [_one(m, f, mods) for m in mods]
+        return _and(parts) if which == "and_masks" else _or(parts)
+    if which == "remap_positions_for_packed_sequence" and _packed_sibling(siblings):
+        # Inside one packed document the position ids count up by one, exactly like the
+        # buffer indices (that is how transformers finds the documents), so a mask that
+        # depends only on kv - q is the same at either; the document sibling keeps the rows
+        # apart.
+        inner = cl.get("mask_function")
+        translated = _one(inner, f, [])
+        if _is_band(translated):
+            return translated
+    return _AtPositions(fn, f.q_offset, f.kv_offset)
+
+
+def _band(lo: int | None, hi: int | None, f: Frame) -> object:
+    """The buffer band ``lo <= j - i <= hi``; every position when it covers the whole buffer
+    (a decoding step's causal mask: its one query sees every cached key, so it runs unmasked)."""
+    if (lo is None or lo <= -(f.Lq - 1)) and (hi is None or hi >= f.Lk - 1):
+        return _ALL
+    return band(lo, hi).mask_mod
+
+
+def _is_band(m: object) -> bool:
+    return m is _ALL or classify_mask(m).is_band
+
+
+def _packed_sibling(siblings: list[Any]) -> bool:
+    return any(_which(s) == "packed_sequence_mask_function" for s in siblings)
+
+
+def _padding(pm: Tensor, f: Frame) -> object:
+    keep = pm.to(torch.bool)
+    end = f.kv_offset + f.Lk
+    if keep.shape[-1] < end:  # transformers pads a short 2-D mask with False (static caches)
+        keep = torch.nn.functional.pad(keep, (0, end - keep.shape[-1]), value=False)
+    keep = keep[:, f.kv_offset : end]  # [B, Lk] buffer coordinates
+    if bool(keep.all()):
+        return _ALL
+    lengths = keep.sum(-1)  # [B]
+    arange = torch.arange(f.Lk, device=keep.device)
+    if bool((keep == (arange < lengths[:, None])).all()):  # right padding: a prefix per row
+        return masks.padding(lengths.to(torch.int64))
+    return _KeyMask(keep)
+
+
+def _documents(ids: Tensor, f: Frame) -> object:
+    ids = ids[:, : max(f.Lq, f.Lk)]
+    if ids.shape[0] == 1 or bool((ids == ids[:1]).all()):
+        return masks.document(ids[0].to(torch.int64))
+    return _RowDocuments(ids)
+
+
+def _and(parts: list[object]) -> object:
+    kept = [p for p in parts if p is not _ALL]
+    if not kept:
+        return _ALL
+    return kept[0] if len(kept) == 1 else masks.and_masks(*kept)  # type: ignore[arg-type]
+
+
+def _or(parts: list[object]) -> object:
+    if any(p is _ALL for p in parts):
+        return _ALL
+    return parts[0] if len(parts) == 1 else masks.or_masks(*parts)  # type: ignore[arg-type]
