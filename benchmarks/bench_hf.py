@@ -128,11 +128,12 @@ def _report(title: str, times: dict[str, list[float]], unit: str = "s") -> None:
 def prefill(args: argparse.Namespace) -> None:
     model = _mistral(args.window, args.layers).eval()
     impls = ["qkv", "sdpa"] + (["eager"] if args.eager else [])
-    for L in (args.long, args.short):
-        ids = torch.randint(0, 1024, (1, L))
+    for n in (args.long, args.short):
+        ids = torch.randint(0, 1024, (1, n))
         attn: dict[str, list[float]] = {k: [] for k in impls}
         total: dict[str, list[float]] = {k: [] for k in impls}
-        rounds = args.rounds if L == args.long else args.rounds * 4
+        long = n == args.long
+        rounds = args.rounds if long else args.rounds * 4
         with torch.no_grad(), _timed_interfaces():
             for impl in impls:  # warm up: the band kernel's first build, allocator, caches
                 model.set_attn_implementation(impl)
@@ -145,8 +146,8 @@ def prefill(args: argparse.Namespace) -> None:
                     model(ids, use_cache=False)
                     total[impl].append(time.perf_counter() - t0)
                     attn[impl].append(CLOCK.attention + CLOCK.masks)
-        print(f"prefill L={L} window={args.window} ({args.layers} layers, {rounds} rounds)")
-        if L == args.long:
+        print(f"prefill n={n} window={args.window} ({args.layers} layers, {rounds} rounds)")
+        if long:
             _report("attention + masks", {k: v for k, v in attn.items() if k != "eager"})
             print(f"    sdpa / qkv attention time: {_median_ratio(attn, 'sdpa', 'qkv'):.2f}x")
         _report("end to end", total)
