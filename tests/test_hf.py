@@ -260,6 +260,13 @@ def test_unknown_attention_keyword_is_refused_naming_the_model() -> None:
         qkv.hf.attention_forward(layer, q, q, q, None, indices=torch.tensor([1]))
 
 
+def test_a_mask_for_other_lengths_is_refused() -> None:
+    q = torch.randn(1, 2, 5, 8)
+    m = mask_function(1, 5, 7, mask_function=mu.causal_mask_function)
+    with pytest.raises(ValueError, match="built for Lq=5, Lk=7 but its query and keys have"):
+        qkv.hf.attention_forward(torch.nn.Module(), q, q, q, m)
+
+
 def test_fully_masked_rows_are_zero_never_nan() -> None:
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     pad = torch.tensor([[0, 0, 1, 1, 1]]).bool()

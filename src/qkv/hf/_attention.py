@@ -99,6 +99,13 @@ def _mask_and_bias(
 ) -> tuple[object, Tensor | None, bool]:
     """``(qkv mask, float bias or None, already split into documents)``."""
     if isinstance(attention_mask, HFMask):
+        _, _, mq, mk = attention_mask.shape
+        if (mq, mk) != (Lq, Lk):
+            raise ValueError(
+                f"{type(module).__name__} got a qkv mask built for Lq={mq}, Lk={mk} but its "
+                f"query and keys have Lq={Lq}, Lk={Lk}; the mask function was called with "
+                f"other lengths than the layer's cache holds, so qkv cannot place the mask"
+            )
         return attention_mask.mask, None, attention_mask.documents
     if attention_mask is None:
         # transformers gave no mask (its builders were skipped): the module says whether it is

@@ -165,7 +165,8 @@ def record(
     different, lse-capable backend than it would otherwise) and the caller still gets what it
     asked for. Calls inside a ``qkv.MultiHeadAttention`` submodule of ``module`` are named by
     that submodule's dotted name, and so are the calls qkv's transformers attention function
-    (:mod:`qkv.hf`) makes for a layer of a Hugging Face model. Recordings nest: an inner one takes the calls until it ends.
+    (:mod:`qkv.hf`) makes for a layer of a Hugging Face model. Recordings nest: an inner one
+    takes the calls until it ends.
     A call that names ``backend="sdpa"`` explicitly fails while recording (SDPA cannot return
     the lse). Calls made with ``need_weights=True`` are recorded like any other (the module
     computes them with ``qkv.attention`` and rebuilds the weights from the lse).
