@@ -169,3 +169,15 @@ def test_matrix_covers_every_axis_value() -> None:
         score_mod = make_score(c.score, c.shape, gen)[0]
         runnable += _refusal(q, k, v, mask=mask, score_mod=score_mod, backend="sdpa") is None
     assert runnable >= len(CASES) // 3
+
+
+@pytest.mark.parametrize(
+    "shape", [Shape(2, 9, 3, 1, 113, 59), Shape(1, 8, 1, 1, 1025, 64, 32)], ids=str
+)
+def test_sdpa_decode_step_folds_query_heads_into_rows(shape: Shape) -> None:
+    """One query row with GQA and no mask: SDPA runs on the kv heads with each group's query
+    heads as rows (no expansion of k, v); forward and gradients against the oracle."""
+    q, k, v = make_qkv(shape, gen=7)
+    assert "query heads as" in qkv.plan(q, k, v, backend="sdpa").forward
+    fn = functools.partial(qkv.attention, backend="sdpa")
+    assert_matches_oracle(compare_to_oracle(fn, q, k, v))

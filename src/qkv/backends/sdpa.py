@@ -50,6 +50,8 @@ class SdpaBackend(Backend):
             memory = dense + p.B * p.Hq * p.Lq * 4
         if p.mask.kind == "causal":
             forward = f"{kernel}, is_causal"
+        elif _folds_groups(p):
+            forward = f"{kernel}, each kv head's {p.groups} query heads as {p.groups} query rows"
         elif p.mask.kind == "none":
             forward = kernel
         elif p.mask.tensor is not None:
@@ -72,6 +74,14 @@ class SdpaBackend(Backend):
             if attn_mask is not None:
                 bias = bias.masked_fill(~attn_mask, float("-inf"))
             attn_mask = bias
+        if _folds_groups(p):
+            # One query row per head, no mask: a kv head's query heads are just more rows of
+            # one problem, so SDPA runs on the kv heads as they are (a view, no GQA expansion:
+            # 10-15% faster than enable_gqa at 1k-4k cached keys, measured in RESULTS.md).
+            B, Hkv = p.B, p.Hkv
+            qf = q.reshape(B, Hkv, p.groups, p.D)  # [B, Hkv, g, D]: a view of [B, Hq, 1, D]
+            of = F.scaled_dot_product_attention(qf, k, v, scale=p.scale)  # [B, Hkv, g, Dv]
+            return of.reshape(B, p.Hq, 1, p.Dv), None  # [B, Hq, 1, Dv]
         kwargs = {}
         if p.groups > 1:
             if _NATIVE_GQA:
@@ -90,6 +100,17 @@ class SdpaBackend(Backend):
             **kwargs,
         )  # [B, Hq, Lq, Dv]
         return out, None
+
+
+def _folds_groups(p: Problem) -> bool:
+    """Decoding with GQA: one query row, no mask, no bias, no dropout."""
+    return (
+        p.groups > 1
+        and p.Lq == 1
+        and p.mask.kind == "none"
+        and p.score.bias is None
+        and p.dropout_p == 0
+    )
 
 
 def _kernel(p: Problem) -> str:
