@@ -172,9 +172,12 @@ def _sorted_ids(shape: Shape, gen: torch.Generator, device: Any) -> Tensor:
 
 def _padding(s: Shape, g: torch.Generator, d: Any) -> Any:
     lengths = torch.randint(0, s.Lk + 1, (s.B,), generator=g)
-    if s.B > 1:
-        lengths[0] = 0  # a batch element with no keys at all: every row fully masked
-    return qkv.padding(lengths.to(d))
+    if s.B == 1:
+        return qkv.padding(lengths.to(d))  # right padding
+    lengths[0] = 0  # a batch element with no keys at all: every row fully masked
+    # Left (and both-sided) padding: each row's keys start anywhere that leaves room.
+    start = (torch.rand(s.B, generator=g) * (s.Lk - lengths + 1)).long()
+    return qkv.padding(lengths.to(d), start=start.to(d))
 
 
 def _rows_masked(s: Shape, g: torch.Generator, d: Any) -> Tensor:
@@ -237,7 +240,8 @@ MASKS: dict[str, Entry] = {
         analytic=True,
     ),
     "padding": Entry(
-        "key padding with random lengths in [0, Lk]; with B > 1 batch 0 has no keys at all",
+        "key padding with random lengths in [0, Lk]; with B > 1 batch 0 has no keys at all "
+        "and each row's keys start at a random position (left padding)",
         _padding,
         analytic=True,
         dead_rows=True,

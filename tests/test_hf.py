@@ -44,6 +44,7 @@ def _sdpa_dense(**kw: Any) -> torch.Tensor:
 
 
 _PAD = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 9 + [0] * 3]).bool()  # [2, 12]
+_HOLES = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1], [0] * 3 + [1] * 9]).bool()
 CASES = {
     "causal": dict(mask_function=mu.causal_mask_function),
     "causal, padding": dict(mask_function=mu.causal_mask_function, attention_mask=_PAD),
@@ -55,6 +56,7 @@ CASES = {
     "bidirectional, padding": dict(
         mask_function=mu.bidirectional_mask_function, attention_mask=_PAD
     ),
+    "padding with holes": dict(mask_function=mu.causal_mask_function, attention_mask=_HOLES),
     "chunked": dict(
         mask_function=mu.chunked_causal_mask_function(5, torch.tensor([0, 2])),
         attention_mask=_PAD,
@@ -113,8 +115,12 @@ def test_mask_kinds_reach_their_kernels() -> None:
     assert "band" in qkv.plan(q, q, q, mask=window.mask).forward
     step = mask_function(1, 1, 64, q_offset=63, mask_function=mu.causal_mask_function)
     assert step.mask is None  # one query row sees every cached key: unmasked
-    left = mask_function(2, 12, 12, attention_mask=_PAD)
-    assert isinstance(left.mask, qkv.BlockMask)  # planned once, reused by every layer
+    left = mask_function(2, 12, 12, attention_mask=_PAD)  # left and right padding
+    kinds = [p.kind for p in _kind(left.mask).parts]
+    assert kinds == ["causal", "padding"]  # each row's key range: planned without evaluation
+    holes = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]]).bool()
+    odd = mask_function(1, 12, 12, attention_mask=holes)
+    assert isinstance(odd.mask, qkv.BlockMask)  # evaluated once, reused by every layer
 
 
 def test_register_is_idempotent_and_fills_both_interfaces() -> None:

@@ -90,7 +90,8 @@ class MaskKind:
     - ``causal`` / ``band``: attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded;
       causal is ``lo=None, hi=0``).
     - ``prefix``: ``kv_idx < limit`` or causal (``limit`` an int).
-    - ``padding``: ``kv_idx < limit`` (an int, or a ``[B]`` tensor of lengths).
+    - ``padding``: ``start <= kv_idx < limit`` (``limit`` an int or a ``[B]`` tensor of
+      ends, ``start`` ``None`` = 0 or a ``[B]`` tensor).
     - ``document``: ``ids[q_idx] == ids[kv_idx]``.
     - ``and`` / ``or``: ``parts``, each a simplified kind (no nested and-in-and).
     - ``tensor``: ``tensor``, a 4-D bool tensor broadcastable to ``[B, Hq, Lq, Lk]``.
@@ -108,6 +109,7 @@ class MaskKind:
     lo: int | None = None
     hi: int | None = None
     limit: int | Tensor | None = None
+    start: Tensor | None = None  # padding: the first valid key of each batch element
     ids: Tensor | None = None
     parts: tuple[MaskKind, ...] = ()
     tensor: Tensor | None = None
@@ -220,7 +222,7 @@ def classify_mask(mask: object) -> MaskKind:
     if isinstance(mask, _Band):
         return _band(mask.lo, mask.hi, mask)
     if isinstance(mask, _KvBelow):
-        return MaskKind("padding", mask, source=mask, limit=mask.limit)
+        return MaskKind("padding", mask, source=mask, limit=mask.limit, start=mask.start)
     if isinstance(mask, _Document):
         return MaskKind("document", mask, source=mask, ids=mask.ids)
     if isinstance(mask, _And):
@@ -294,7 +296,9 @@ def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
             united.append(b)
     rest = [p for p in flat if not p.is_band]
     flat = [*united, *rest]
-    below = [p for p in flat if p.kind == "padding" and isinstance(p.limit, int)]
+    below = [
+        p for p in flat if p.kind == "padding" and isinstance(p.limit, int) and p.start is None
+    ]
     if below and any(p.kind == "causal" for p in flat):  # kv_idx < P or causal: prefix-LM
         P = max(int(b.limit) for b in below)  # type: ignore[arg-type]
         mod = _Or((_KvBelow(P, f"kv_idx < {P}"), causal), f"qkv.prefix_lm({P})")

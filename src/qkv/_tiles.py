@@ -70,7 +70,7 @@ class Grid:
             return _band_states(m.lo, m.hi, self)
         if k == "padding":
             assert m.limit is not None
-            return _below_states(m.limit, self)
+            return _below_states(m.limit, self, m.start)
         if k == "prefix":
             assert m.limit is not None
             return torch.maximum(_below_states(m.limit, self), _band_states(None, 0, self))
@@ -186,9 +186,11 @@ def _band_states(lo_: int | None, hi_: int | None, g: Grid) -> Tensor:
     return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
 
 
-def _below_states(limit: int | Tensor, g: Grid) -> Tensor:
-    """``kv_idx < limit`` (an int, or one limit per batch element)."""
-    # Key block j is visible iff its first key is below the limit, full iff its last is.
+def _below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> Tensor:
+    """``start <= kv_idx < limit`` (an int, or one limit per batch element; ``start`` None
+    or one per batch element)."""
+    # Key block j is visible iff it reaches past the start and its first key is below the
+    # limit; full iff it lies inside [start, limit).
     if isinstance(limit, int):
         lim = torch.tensor([limit], dtype=torch.int64)  # [1]
     else:
@@ -196,8 +198,14 @@ def _below_states(limit: int | Tensor, g: Grid) -> Tensor:
     lim = lim.view(-1, 1, 1)  # [B, 1, 1]: one key range per batch element, for every row
     vis_hi = (lim.clamp(max=g.Lk) + g.bk - 1) // g.bk - 1  # last j with k_start[j] < lim
     full_hi = torch.searchsorted(g.k_last, lim.view(-1) - 1, right=True).view(-1, 1, 1) - 1
-    zero = torch.zeros_like(vis_hi)
-    return g.from_ranges(zero, vis_hi, zero, full_hi)  # [B, 1, 1, nk]
+    if start is None:
+        zero = torch.zeros_like(vis_hi)
+        return g.from_ranges(zero, vis_hi, zero, full_hi)  # [B, 1, 1, nk]
+    st = start.detach().to("cpu", torch.int64).view(-1)  # [B]
+    vis_lo = torch.searchsorted(g.k_last, st).view(-1, 1, 1)  # first j with k_last[j] >= st
+    vis_hi = torch.where(st.view(-1, 1, 1) >= lim, vis_lo - 1, vis_hi)  # an empty range
+    full_lo = torch.searchsorted(g.k_start, st).view(-1, 1, 1)  # first j with k_start >= st
+    return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)  # [B, 1, 1, nk]
 
 
 def _document_states(all_ids: Tensor, g: Grid) -> Tensor:

@@ -112,24 +112,28 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
 
 
 class _KvBelow(_BuiltinMask):
-    """Attend iff ``kv_idx < limit`` (an int, or a per-batch ``[B]`` tensor of limits)."""
+    """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
+    ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
 
-    def __init__(self, limit: int | Tensor, name: str) -> None:
-        self.limit, self._name = limit, name
-        self._by_device: dict[torch.device, Tensor] = {}
+    def __init__(self, limit: int | Tensor, name: str, start: Tensor | None = None) -> None:
+        self.limit, self._name, self.start = limit, name, start
+        self._by_device: dict[tuple[str, torch.device], Tensor] = {}
 
-    def _limits(self, device: torch.device) -> Tensor:
-        assert isinstance(self.limit, Tensor)
-        t = self._by_device.get(device)
-        if t is None:
-            t = self.limit.to(device=device, dtype=torch.int64)
-            self._by_device[device] = t
-        return t
+    def _on(self, what: str, t: Tensor, device: torch.device) -> Tensor:
+        got = self._by_device.get((what, device))
+        if got is None:
+            got = t.to(device=device, dtype=torch.int64)
+            self._by_device[(what, device)] = got
+        return got
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if isinstance(self.limit, int):
-            return kv_idx < self.limit
-        return kv_idx < self._limits(kv_idx.device)[b]
+            ok = kv_idx < self.limit
+        else:
+            ok = kv_idx < self._on("limit", self.limit, kv_idx.device)[b]
+        if self.start is not None:
+            ok = ok & (kv_idx >= self._on("start", self.start, kv_idx.device)[b])
+        return ok
 
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         if isinstance(self.limit, Tensor) and self.limit.shape[0] != B:
@@ -142,26 +146,42 @@ class _KvBelow(_BuiltinMask):
         return self._name
 
 
-def padding(lengths: Tensor) -> MaskMod:
-    """Key padding: attend iff ``kv_idx < lengths[b]``.
+def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
+    """Key padding: attend iff ``start[b] <= kv_idx < start[b] + lengths[b]``.
 
-    ``lengths`` is a 1-D integer tensor with one valid key count per batch element. For
+    ``lengths`` is a 1-D integer tensor with one valid key count per batch element; ``start``
+    (default 0: right padding) the first valid key of each, for left-padded rows. For
     ``lengths = [3, 5]`` and ``Lk = 5``, every query row of batch 0 is ``1 1 1 0 0`` and of
-    batch 1 is ``1 1 1 1 1``. A length of 0 masks every key: those rows give output 0.
+    batch 1 is ``1 1 1 1 1``; with ``start = [2, 0]`` batch 0 is ``0 0 1 1 1``. A length of 0
+    masks every key: those rows give output 0. The planner skips the key blocks outside each
+    row's range without evaluating any position.
     """
-    if not isinstance(lengths, torch.Tensor):
-        raise TypeError(
-            f"padding lengths must be a 1-D integer tensor, got {type(lengths).__name__}; "
-            f"use torch.tensor([...])"
-        )
-    if lengths.ndim != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+    _check_counts("padding lengths", lengths)
+    if start is None:
+        return _KvBelow(lengths.detach(), f"qkv.padding({lengths.tolist()})")
+    _check_counts("padding start", start)
+    if start.shape != lengths.shape:
         raise ValueError(
-            f"padding lengths must be a 1-D integer tensor [B], got shape "
-            f"{tuple(lengths.shape)} and dtype {lengths.dtype}"
+            f"padding start has shape {tuple(start.shape)} but lengths has "
+            f"{tuple(lengths.shape)}; give one start per batch element"
         )
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"padding lengths must be >= 0, got {lengths.tolist()}")
-    return _KvBelow(lengths.detach(), f"qkv.padding({lengths.tolist()})")
+    end = (start.to(torch.int64) + lengths.to(torch.int64)).detach()
+    name = f"qkv.padding({lengths.tolist()}, start={start.tolist()})"
+    return _KvBelow(end, name, start.detach().to(torch.int64))
+
+
+def _check_counts(what: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"{what} must be a 1-D integer tensor, got {type(t).__name__}; use torch.tensor([...])"
+        )
+    if t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(
+            f"{what} must be a 1-D integer tensor [B], got shape "
+            f"{tuple(t.shape)} and dtype {t.dtype}"
+        )
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
 
 
 class _Document(_BuiltinMask):

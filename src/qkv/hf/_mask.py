@@ -4,8 +4,8 @@ transformers calls it once per forward and mask type (``create_causal_mask``,
 ``create_sliding_window_causal_mask``, ``create_bidirectional_mask``, ...) and hands what it
 returns to every layer's attention function as ``attention_mask``. qkv returns an
 :class:`HFMask`: the qkv mask of that buffer (from :mod:`qkv.hf._translate`), never a dense
-``[B, 1, Lq, Lk]`` tensor. Masks with no analytic tile rule (left padding, a model's own
-mask_function) are planned into a :class:`qkv.BlockMask` here, once, so the layers reuse one
+``[B, 1, Lq, Lk]`` tensor. Masks with no analytic tile rule (a model's own mask_function,
+padding with holes) are planned into a :class:`qkv.BlockMask` here, once, so the layers reuse one
 tile plan instead of evaluating the mask again in each of them.
 """
 

@@ -14,8 +14,8 @@ coordinates:
     sliding_window_overlay(w)             kv > q - w          -> band [1 - w + d, inf)
     sliding_window_bidirectional_overlay  |q - kv| <= w       -> band [-w + d, w + d]
     bidirectional_mask_function           everything          -> no mask
-    padding_mask_function(pm)             pm[b, kv]           -> qkv.padding(lengths), or a
-                                                                 key mask for left padding
+    padding_mask_function(pm)             pm[b, kv]           -> qkv.padding(lengths, start=),
+                                                                 or a key mask with holes
     packed_sequence_mask_function(ids)    ids[b,q] == ids[b,kv] -> qkv.document(ids)
     and_masks / or_masks                                      -> qkv.and_masks / or_masks
 
@@ -201,9 +201,13 @@ def _padding(pm: Tensor, f: Frame) -> object:
     if bool(keep.all()):
         return _ALL
     lengths = keep.sum(-1)  # [B]
+    start = keep.to(torch.int8).argmax(-1)  # [B] first real key (0 for a row with none)
     arange = torch.arange(f.Lk, device=keep.device)
-    if bool((keep == (arange < lengths[:, None])).all()):  # right padding: a prefix per row
-        return masks.padding(lengths.to(torch.int64))
+    span = (arange >= start[:, None]) & (arange < (start + lengths)[:, None])  # [B, Lk]
+    if bool((keep == span).all()):  # one run of real keys per row: left and/or right padding
+        if not bool(start.any()):
+            return masks.padding(lengths.to(torch.int64))
+        return masks.padding(lengths.to(torch.int64), start=start.to(torch.int64))
     return _KeyMask(keep)
 
 
