@@ -98,15 +98,16 @@ def _timed_interfaces() -> Iterator[None]:
         AttentionMaskInterface._global_mapping.update(saved_m)
 
 
-def _mistral(window: int, layers: int) -> Any:
+def _mistral(window: int, layers: int, hidden: int = 512) -> Any:
     torch.manual_seed(0)
     cfg = T.MistralConfig(
         vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=8,
-        num_key_value_heads=2,  # GQA 4:1, head_dim 64
+        num_key_value_heads=2,  # GQA 4:1
+        head_dim=64,  # whatever the width: the attention problem stays Mistral's head size
         max_position_embeddings=16384,
         sliding_window=window,
         attention_dropout=0.0,
@@ -126,7 +127,7 @@ def _report(title: str, times: dict[str, list[float]], unit: str = "s") -> None:
 
 
 def prefill(args: argparse.Namespace) -> None:
-    model = _mistral(args.window, args.layers).eval()
+    model = _mistral(args.window, args.layers, args.hidden).eval()
     impls = ["qkv", "sdpa"] + (["eager"] if args.eager else [])
     for n in (args.long, args.short):
         ids = torch.randint(0, 1024, (1, n))
@@ -146,7 +147,10 @@ def prefill(args: argparse.Namespace) -> None:
                     model(ids, use_cache=False)
                     total[impl].append(time.perf_counter() - t0)
                     attn[impl].append(CLOCK.attention + CLOCK.masks)
-        print(f"prefill n={n} window={args.window} ({args.layers} layers, {rounds} rounds)")
+        print(
+            f"prefill n={n} window={args.window} (hidden {args.hidden}, {args.layers} layers, "
+            f"{rounds} rounds)"
+        )
         if long:
             _report("attention + masks", {k: v for k, v in attn.items() if k != "eager"})
             print(f"    sdpa / qkv attention time: {_median_ratio(attn, 'sdpa', 'qkv'):.2f}x")
@@ -156,8 +160,41 @@ def prefill(args: argparse.Namespace) -> None:
             print(f"    eager / qkv end to end: {_median_ratio(total, 'eager', 'qkv'):.2f}x")
 
 
+def _attention_alone(args: argparse.Namespace) -> None:
+    """One layer's attention, forward + backward, through each implementation's own function
+    with the mask its mask function builds (sdpa: transformers' dense bool mask)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    n, W = args.train_len, args.window
+    layer = _mistral(W, 1).model.layers[0].self_attn
+    q = torch.randn(1, 8, n, 64, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 64, requires_grad=True) for _ in range(2))
+    fn = sliding_window_causal_mask_function(W)
+
+    def ours() -> None:
+        m = qkv.hf.mask_function(1, n, n, mask_function=fn)
+        qkv.hf.attention_forward(layer, q, k, v, m, scaling=0.125)[0].sum().backward()
+
+    def theirs() -> None:
+        m = sdpa_mask(batch_size=1, q_length=n, kv_length=n, mask_function=fn, local_size=W)
+        sdpa_attention_forward(layer, q, k, v, m, scaling=0.125)[0].sum().backward()
+
+    times: dict[str, list[float]] = {"qkv": [], "sdpa": []}
+    ours(), theirs()
+    for _ in range(args.rounds):
+        for name, f in (("qkv", ours), ("sdpa", theirs)):
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    print(f"attention alone, forward + backward, n={n} window={W} (B=1, 8 heads on 2, D=64)")
+    _report("mask + attention", times)
+    print(f"    sdpa / qkv: {_median_ratio(times, 'sdpa', 'qkv'):.2f}x")
+
+
 def train(args: argparse.Namespace) -> None:
-    model = _mistral(args.window, args.layers).train()
+    _attention_alone(args)
+    model = _mistral(args.window, args.layers, args.hidden).train()
     L = args.train_len
     ids = torch.randint(0, 1024, (1, L))
     impls = ["qkv", "sdpa"]
@@ -181,7 +218,10 @@ def train(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             model(ids, labels=ids, use_cache=False).loss.backward()
             times[impl].append(time.perf_counter() - t0)
-    print(f"train step L={L} window={args.window} ({args.layers} layers, {args.rounds} rounds)")
+    print(
+        f"train step L={L} window={args.window} (hidden {args.hidden}, {args.layers} layers, "
+        f"{args.rounds} rounds)"
+    )
     _report("forward + backward", times)
     print(f"    sdpa / qkv: {_median_ratio(times, 'sdpa', 'qkv'):.2f}x")
     if "flex_attention" in times:
@@ -226,6 +266,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=512)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512, help="model width (heads stay 8 x 64)")
     ap.add_argument("--train-len", type=int, default=4096)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)

@@ -230,13 +230,15 @@ def test_t5_position_bias_matches_eager() -> None:
         assert rel_err(eager(**kw).logits, ours(**kw).logits) <= 1e-5
 
 
-def test_dropout_reaches_qkv_only_in_training(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropout_reaches_qkv_only_in_training_and_gqa_is_not_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
     from qkv.hf import _attention
 
     seen: list[float] = []
     real = _attention.attention
 
     def spy(*args: Any, **kw: Any) -> Any:
+        q, k, v = args
+        assert q.shape[1] == 4 and k.shape[1] == v.shape[1] == 2  # GQA as is: no repeat_kv
         seen.append(kw["dropout_p"])
         return real(*args, **kw)
 
