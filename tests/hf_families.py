@@ -22,7 +22,8 @@ WINDOW = 8  # sliding window of the models that have one (shorter than the test 
 class Family:
     name: str
     build: Callable[[], Any]  # () -> model (random weights, seeded by the caller)
-    kind: str  # "causal" (a causal LM), "masked" (an encoder with an LM head), "seq2seq"
+    kind: str  # "causal" (a causal LM), "masked" (an encoder with an LM head), "seq2seq",
+    # "extra" (tested for one feature only, in test_hf.py)
 
 
 def _decoder_common() -> dict[str, Any]:
@@ -174,6 +175,33 @@ def _whisper() -> Any:
     return T.WhisperForConditionalGeneration(cfg)
 
 
+def _gpt_oss() -> Any:
+    import transformers as T
+
+    cfg = T.GptOssConfig(
+        **_decoder_common(),
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    model = T.GptOssForCausalLM(cfg)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data.normal_()  # the sinks start at 0: make them matter
+    return model
+
+
+def _t5() -> Any:
+    import transformers as T
+
+    cfg = T.T5Config(
+        vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return T.T5ForConditionalGeneration(cfg)
+
+
 FAMILIES = {
     f.name: f
     for f in (
@@ -186,10 +214,13 @@ FAMILIES = {
         Family("bert", _bert, "masked"),
         Family("modernbert", _modernbert, "masked"),
         Family("whisper", _whisper, "seq2seq"),
+        # Two more for single features: GPT-OSS's attention sinks (s_aux), T5's position bias.
+        Family("gpt_oss", _gpt_oss, "extra"),
+        Family("t5", _t5, "extra"),
     )
 }
 CAUSAL = [n for n, f in FAMILIES.items() if f.kind == "causal"]
-TEXT = [n for n, f in FAMILIES.items() if f.kind != "seq2seq"]
+TEXT = [n for n, f in FAMILIES.items() if f.kind in ("causal", "masked")]
 
 
 def build(name: str) -> Any:

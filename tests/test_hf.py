@@ -165,32 +165,8 @@ def test_import_qkv_hf_without_transformers_names_the_extra() -> None:
     assert "ImportError" in r.stderr and "pip install 'qkv[hf]'" in r.stderr
 
 
-def _gpt_oss() -> Any:
-    torch.manual_seed(0)
-    cfg = T.GptOssConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=8,
-        max_position_embeddings=128,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    model = T.GptOssForCausalLM(cfg).eval()
-    for layer in model.model.layers:
-        layer.self_attn.sinks.data.normal_()  # the sinks start at 0: make them matter
-    return model
-
-
 def test_attention_sinks_s_aux_match_eager_with_gradients() -> None:
-    eager, ours = _gpt_oss(), _gpt_oss()
+    eager, ours = build("gpt_oss"), build("gpt_oss")
     eager.set_attn_implementation("eager")
     ours.set_attn_implementation("qkv")
     ids, am = padded_batch()
@@ -213,15 +189,7 @@ def test_attention_sinks_s_aux_match_eager_with_gradients() -> None:
 
 
 def test_t5_position_bias_matches_eager() -> None:
-    def t5() -> Any:
-        torch.manual_seed(0)
-        cfg = T.T5Config(
-            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-        )  # fmt: skip
-        return T.T5ForConditionalGeneration(cfg).eval()
-
-    eager, ours = t5(), t5()
+    eager, ours = build("t5"), build("t5")
     eager.set_attn_implementation("eager")
     ours.set_attn_implementation("qkv")
     ids, am = padded_batch()
@@ -230,7 +198,9 @@ def test_t5_position_bias_matches_eager() -> None:
         assert rel_err(eager(**kw).logits, ours(**kw).logits) <= 1e-5
 
 
-def test_dropout_reaches_qkv_only_in_training_and_gqa_is_not_expanded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dropout_reaches_qkv_only_in_training_and_gqa_is_not_expanded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from qkv.hf import _attention
 
     seen: list[float] = []
