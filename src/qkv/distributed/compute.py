@@ -1,0 +1,156 @@
+"""The work of one rank: partial attention per (query chunk, key chunk) pair, merged exactly
+by log-sum-exp, with the key/value chunks of later steps arriving while earlier ones compute.
+
+Forward: for query rows ``Q`` and disjoint key sets ``K_i``, attention over their union is
+
+    lse = logsumexp_i(lse_i)        out = sum_i exp(lse_i - lse) * out_i
+
+(a row no key reaches keeps ``lse = -inf`` and ``out = 0``). Backward: with the final
+``out``, ``lse`` and the upstream ``dout``, ``dlse``, the gradient of pair ``i`` is the
+gradient of its partial call under ``dout_i = w_i dout`` and
+``dlse_i = w_i (dout . out_i - dout . out + dlse)`` with ``w_i = exp(lse_i - lse)``, which is
+``dS = P (dP - rowsum(dout . out) + dlse)`` with ``P`` the global probabilities: the partial
+is recomputed under autograd (one more partial forward per pair) and differentiated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._kinds import MaskKind, ScoreKind
+from .._tiles import FULL
+from ..functional import attention
+from .layout import Layout
+from .plan import Pair, Plan, Step
+from .positions import mask_for, score_for
+from .transport import Exchange, Pending, note_time
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Spec:
+    """Everything a rank's forward and backward need, decided once per call."""
+
+    group: Any
+    rank: int
+    layout: Layout
+    plan: Plan
+    mask: MaskKind
+    score: ScoreKind
+    scale: float
+    n_params: int
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half types are computed per pair in float32, so the merge loses nothing to rounding."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _partial(spec: Spec, pair: Pair, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    lay = spec.layout
+    qb, kb = lay.bounds(pair.q_chunk), lay.bounds(pair.k_chunk)
+    mask = None if pair.state == FULL else mask_for(spec.mask, qb, kb, lay.L)
+    smod = score_for(spec.score, qb, kb, lay.L)
+    t0 = time.perf_counter()
+    out, lse = attention(q, k, v, mask=mask, score_mod=smod, scale=spec.scale, return_lse=True)
+    note_time(compute=time.perf_counter() - t0)
+    return out, lse
+
+
+class Chunks:
+    """Key/value chunks by id: this rank's own, or the ones a step's message carries."""
+
+    def __init__(self, spec: Spec, k: Tensor, v: Tensor, step: Step, buf: Tensor | None) -> None:
+        self.lay, self.D = spec.layout, k.shape[3]
+        self.at: dict[int, tuple[Tensor, int]] = {}
+        if buf is None and step.recv_chunks:
+            raise AssertionError(f"step {step.index} has no message for {step.recv_chunks}")
+        if buf is None:  # step 0 (the local shards), or a step that receives nothing
+            self.k, self.v = k, v
+            for j in self.lay.chunks(spec.rank):
+                self.at[j] = (k, self.lay.local_start(spec.rank, j))
+        else:
+            self.k, self.v = buf[..., : self.D], buf[..., self.D :]
+            off = 0
+            for j in step.recv_chunks:
+                self.at[j] = (buf, off)
+                off += self.lay.chunk_len(j)
+
+    def kv(self, j: int) -> tuple[Tensor, Tensor]:
+        _, a = self.at[j]
+        n = self.lay.chunk_len(j)
+        return self.k.narrow(2, a, n), self.v.narrow(2, a, n)
+
+    def offset(self, j: int) -> int:
+        return self.at[j][1]
+
+
+def pack(lay: Layout, rank: int, k: Tensor, v: Tensor, chunks: tuple[int, ...]) -> Tensor:
+    """``[B, Hkv, rows, D + Dv]``: the keys and values of ``chunks``, side by side."""
+    parts = []
+    for j in chunks:
+        a, n = lay.local_start(rank, j), lay.chunk_len(j)
+        parts.append(torch.cat((k.narrow(2, a, n), v.narrow(2, a, n)), dim=-1))
+    return torch.cat(parts, dim=2)
+
+
+def rows_of(lay: Layout, chunks: tuple[int, ...]) -> int:
+    return sum(lay.chunk_len(j) for j in chunks)
+
+
+def post_kv(spec: Spec, ex: Exchange, step: Step, k: Tensor, v: Tensor, tag: int) -> Pending | None:
+    """Send this step's chunks to its destination; post the receive of its source's."""
+    lay = spec.layout
+    if step.send_chunks:
+        ex.send(pack(lay, spec.rank, k, v, step.send_chunks), step.send_to, tag)
+    if not step.recv_chunks:
+        return None
+    B, H, _, D = k.shape
+    shape = (B, H, rows_of(lay, step.recv_chunks), D + v.shape[3])
+    return ex.recv(shape, k.dtype, k.device, step.recv_from, tag)
+
+
+def run_steps(spec: Spec, ex: Exchange, k: Tensor, v: Tensor, visit: Any) -> None:
+    """Call ``visit(step, chunks)`` for every step of this rank, receiving step ``t + 1``'s
+    chunks while step ``t`` computes; ``visit`` runs after its step's message arrived."""
+    steps = spec.plan.ranks[spec.rank].steps
+    W = len(steps)
+    pending = post_kv(spec, ex, steps[1], k, v, tag=1) if W > 1 else None
+    visit(steps[0], Chunks(spec, k, v, steps[0], None))
+    for t in range(1, W):
+        nxt = post_kv(spec, ex, steps[t + 1], k, v, tag=t + 1) if t + 1 < W else None
+        # A step that receives nothing is still visited: it may send, or expect dK/dV back.
+        buf = pending.wait() if pending is not None else None
+        visit(steps[t], Chunks(spec, k, v, steps[t], buf))
+        pending = nxt
+    ex.finish()
+
+
+def forward(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """This rank's ``out [B, Hq, L_local, Dv]`` (work dtype) and ``lse [B, Hq, L_local]``."""
+    lay, rank = spec.layout, spec.rank
+    wd = work_dtype(q.dtype)
+    B, Hq, Ll, _ = q.shape
+    out = q.new_zeros(B, Hq, Ll, v.shape[3], dtype=wd)
+    lse = torch.full((B, Hq, Ll), float("-inf"), dtype=torch.float32, device=q.device)
+
+    def visit(step: Step, ch: Chunks) -> None:
+        for pair in step.pairs:
+            a, n = lay.local_start(rank, pair.q_chunk), lay.chunk_len(pair.q_chunk)
+            kj, vj = ch.kv(pair.k_chunk)
+            o_i, l_i = _partial(spec, pair, q.narrow(2, a, n).to(wd), kj.to(wd), vj.to(wd))
+            o, ls = out.narrow(2, a, n), lse.narrow(2, a, n)
+            new = torch.logaddexp(ls, l_i)
+            safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+            wa = torch.exp(ls - safe).unsqueeze(-1).to(wd)  # [B, Hq, n, 1]
+            wb = torch.exp(l_i - safe).unsqueeze(-1).to(wd)
+            o.copy_(o * wa + o_i.to(wd) * wb)
+            ls.copy_(new)
+
+    run_steps(spec, Exchange(spec.group, "forward"), k, v, visit)
+    return out, lse

@@ -1,0 +1,117 @@
+"""Point-to-point transport on ``torch.distributed``: ``isend``/``irecv`` of packed key/value
+chunks (and of dK/dV partial sums in the backward), and a record of what moved.
+
+Every message is one contiguous tensor ``[B, Hkv, rows, D + Dv]`` (keys and values of the
+chunks a step names, side by side), so a step costs one send and one receive per rank.
+``with qd.traffic() as t:`` records each message (phase, peer, bytes) and the seconds spent
+waiting for receives versus computing, which is how the tests count neighbour-only traffic
+and the benchmark measures overlap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Traffic:
+    """What moved while recording: ``sent[(phase, peer)]`` and ``received[(phase, peer)]``
+    in bytes (``phase`` is ``"forward"`` or ``"backward"``; ``peer`` a rank of the group),
+    ``wait_s`` blocked in receives, ``compute_s`` in attention between them."""
+
+    sent: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    messages: int = 0
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+
+    def peers(self) -> set[int]:
+        return {p for _, p in self.sent} | {p for _, p in self.received}
+
+    def total(self, phase: str | None = None) -> tuple[int, int]:
+        """``(bytes sent, bytes received)``, over one phase or both."""
+
+        def s(d: dict[tuple[str, int], int]) -> int:
+            return sum(n for (ph, _), n in d.items() if phase is None or ph == phase)
+
+        return s(self.sent), s(self.received)
+
+
+_recording: list[Traffic] = []
+
+
+@contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Record every message ``qd.attention`` sends or receives on this rank inside the block."""
+    t = Traffic()
+    _recording.append(t)
+    try:
+        yield t
+    finally:
+        _recording.remove(t)
+
+
+def _note(kind: str, phase: str, peer: int, nbytes: int) -> None:
+    for t in _recording:
+        (t.sent if kind == "sent" else t.received)[(phase, peer)] += nbytes
+        t.messages += 1
+
+
+def note_time(wait: float = 0.0, compute: float = 0.0) -> None:
+    for t in _recording:
+        t.wait_s += wait
+        t.compute_s += compute
+
+
+class Pending:
+    """A posted receive: ``wait()`` gives its tensor."""
+
+    def __init__(self, work: Any, buf: Tensor) -> None:
+        self.work, self.buf = work, buf
+
+    def wait(self) -> Tensor:
+        t0 = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+        note_time(wait=time.perf_counter() - t0)
+        return self.buf
+
+
+class Exchange:
+    """The messages of one call on one rank, in one phase; ``finish()`` waits for its sends."""
+
+    def __init__(self, group: Any, phase: str) -> None:
+        self.group, self.phase = group, phase
+        self.sends: list[tuple[Any, Tensor]] = []
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def send(self, t: Tensor, peer: int, tag: int) -> None:
+        t = t.contiguous()
+        work = dist.isend(t, self._global(peer), group=self.group, tag=tag)
+        self.sends.append((work, t))  # the tensor must outlive the send
+        _note("sent", self.phase, peer, t.numel() * t.element_size())
+
+    def recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int, tag: int
+    ) -> Pending:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        work = dist.irecv(buf, self._global(peer), group=self.group, tag=tag)
+        _note("received", self.phase, peer, buf.numel() * buf.element_size())
+        return Pending(work, buf)
+
+    def finish(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
