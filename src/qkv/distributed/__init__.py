@@ -11,15 +11,21 @@ by ``import qkv``: ``import qkv.distributed as qd``.
     out_l = qd.attention(q_l, k_l, v_l, mask=qkv.causal, layout="zigzag")
     out = qd.unshard(out_l, layout="zigzag")
     print(qd.plan(B, H, L, D, mask=qkv.causal, world_size=4, layout="zigzag"))
+
+A model built from ``qkv.MultiHeadAttention`` runs over a split sequence with
+``mha(x_local, mask=qkv.causal, context_parallel=True)`` (or a group, or
+``qd.ContextParallel(group, layout)``).
 """
 
 from .api import attention, plan, shard, unshard
 from .layout import LAYOUTS, Layout
+from .module import ContextParallel
 from .plan import Plan, RankPlan, Step
 from .transport import Traffic, traffic
 
 __all__ = [
     "LAYOUTS",
+    "ContextParallel",
     "Layout",
     "Plan",
     "RankPlan",
