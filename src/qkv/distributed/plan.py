@@ -141,7 +141,8 @@ def chunk_states(m: MaskKind, lay: Layout, B: int, H: int, device: torch.device)
     if none sees any of it."""
     n, c = lay.n_chunks, lay.chunk
     g = Grid(B, H, lay.L, lay.L, c, c, device)
-    st = g.classify(m).to(torch.int8)  # [B|1, H|1, nq, nk], nq = ceil(L / c) <= n
+    st = g.classify(m).to(torch.int8)  # [B|1, H|1, nq|1, nk|1], nq = ceil(L / c) <= n
+    st = st.expand(st.shape[0], st.shape[1], g.nq, g.nk)  # a padding mask's rows broadcast
     vis = (st != EMPTY).flatten(0, 1).any(0)  # [nq, nk]
     full = (st == FULL).flatten(0, 1).all(0)
     out = torch.zeros(n, n, dtype=torch.int8)
@@ -158,7 +159,7 @@ def _pair_area(m: MaskKind, lay: Layout, qc: int, kc: int, state: int, B: int, H
         return lq * lk
     sub = mask_kind(mask_for(m, q, k, lay.L))
     g = Grid(B, H, lq, lk, _FLOP_TILE, _FLOP_TILE, torch.device("cpu"))
-    st = g.classify(sub).amax(dim=(0, 1))  # [nq, nk]: visible for some (b, h)
+    st = g.classify(sub).amax(dim=(0, 1)).expand(g.nq, g.nk)  # visible for some (b, h)
     rows = (g.q_last - g.q_start + 1).view(-1, 1)  # [nq, 1]
     cols = (g.k_last - g.k_start + 1).view(1, -1)  # [1, nk]
     return int(((st != EMPTY) * rows * cols).sum())
