@@ -108,6 +108,11 @@ def test_window_plan_names_neighbours_only() -> None:
             assert rp.bytes_received < p.allgather_bytes / 2
         text = str(p)
         assert "imbalance" in text and "rank 3" in text and "peers" in text
+    # Only the window's keys move, not whole chunks: contiguous rank r > 0 receives the last
+    # 256 keys of rank r - 1 (K and V, 2 heads of 64 features, float32).
+    p = qd.plan(1, 2, 8192, 64, mask=qkv.sliding_window(256), world_size=4, layout="contiguous")
+    assert [rp.bytes_received for rp in p.ranks] == [0] + [256 * 2 * 128 * 4] * 3
+    assert "[1792, 2048)" in str(p)
 
 
 def test_documents_reach_only_ranks_that_share_them() -> None:

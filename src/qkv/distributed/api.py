@@ -145,7 +145,6 @@ def attention(
         element_size=q.element_size(),
         grad_size=torch.finfo(wd).bits // 8,
         device=q.device,
-        flops=False,
     )
     spec = compute.Spec(group, rank, lay, pl, p.mask, p.score, p.scale, len(params))
     out, lse = _ContextParallel.apply(spec, q, k, v, *params)

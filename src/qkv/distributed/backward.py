@@ -75,17 +75,17 @@ def backward(
     incoming: list[tuple[Step, Pending]] = []
 
     def visit(step: Step, ch: Chunks) -> None:
-        if step.index and step.send_chunks:  # dK/dV of my chunks the destination received
-            shape = (*k.shape[:2], rows_of(lay, step.send_chunks), dkv.shape[3])
+        if step.index and step.send:  # dK/dV of my pieces the destination received
+            shape = (*k.shape[:2], rows_of(step.send), dkv.shape[3])
             incoming.append(
                 (step, grad_ex.recv(shape, wd, k.device, step.send_to, tag=W + step.index))
             )
-        if step.index and not step.recv_chunks:
+        if step.index and not step.recv:
             return
         acc = dkv if step.index == 0 else dkv.new_zeros(*ch.k.shape[:3], dkv.shape[3])
         for pair in step.pairs:
             a, n = lay.local_start(rank, pair.q_chunk), lay.chunk_len(pair.q_chunk)
-            kj, vj = ch.kv(pair.k_chunk)
+            kj, vj = ch.kv(pair.keys.chunk)
             rows = slice(a, a + n)
             g = _pair_grads(
                 spec,
@@ -100,7 +100,7 @@ def backward(
                 dot[:, :, rows],
                 None if dlse is None else dlse[:, :, rows],
             )
-            b, m = ch.offset(pair.k_chunk), lay.chunk_len(pair.k_chunk)
+            b, m = ch.offset(pair.keys.chunk), pair.keys.rows
             if g[0] is not None:
                 dq[:, :, rows] += g[0]
             if g[1] is not None:
@@ -110,17 +110,17 @@ def backward(
             for i, gp in enumerate(g[3:]):
                 if gp is not None:
                     dparams[i] += gp
-        if step.index and step.recv_chunks:
+        if step.index and step.recv:
             grad_ex.send(acc, step.recv_from, tag=W + step.index)
 
     run_steps(spec, Exchange(spec.group, "backward"), k, v, visit)
     for step, pending in incoming:
         got = pending.wait()
         off = 0
-        for j in step.send_chunks:
-            a, n = lay.local_start(rank, j), lay.chunk_len(j)
-            dkv[:, :, a : a + n] += got[:, :, off : off + n]
-            off += n
+        for pc in step.send:
+            a = lay.local_start(rank, pc.chunk) + pc.lo
+            dkv[:, :, a : a + pc.rows] += got[:, :, off : off + pc.rows]
+            off += pc.rows
     grad_ex.finish()
     for g in dparams:
         dist.all_reduce(g, group=spec.group)

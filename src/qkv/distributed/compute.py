@@ -25,7 +25,7 @@ from .._kinds import MaskKind, ScoreKind
 from .._tiles import FULL
 from ..functional import attention
 from .layout import Layout
-from .plan import Pair, Plan, Step
+from .plan import Pair, Piece, Plan, Step
 from .positions import mask_for, score_for
 from .transport import Exchange, Pending, note_time
 
@@ -53,7 +53,8 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _partial(spec: Spec, pair: Pair, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     lay = spec.layout
-    qb, kb = lay.bounds(pair.q_chunk), lay.bounds(pair.k_chunk)
+    qb, ka = lay.bounds(pair.q_chunk), lay.bounds(pair.keys.chunk)[0]
+    kb = (ka + pair.keys.lo, ka + pair.keys.hi)  # the global positions of the piece's keys
     mask = None if pair.state == FULL else mask_for(spec.mask, qb, kb, lay.L)
     smod = score_for(spec.score, qb, kb, lay.L)
     t0 = time.perf_counter()
@@ -63,55 +64,55 @@ def _partial(spec: Spec, pair: Pair, q: Tensor, k: Tensor, v: Tensor) -> tuple[T
 
 
 class Chunks:
-    """Key/value chunks by id: this rank's own, or the ones a step's message carries."""
+    """Key/value pieces by chunk id: this rank's own chunks, or what a step's message
+    carries (its pieces side by side, in the step's order)."""
 
     def __init__(self, spec: Spec, k: Tensor, v: Tensor, step: Step, buf: Tensor | None) -> None:
-        self.lay, self.D = spec.layout, k.shape[3]
-        self.at: dict[int, tuple[Tensor, int]] = {}
-        if buf is None and step.recv_chunks:
-            raise AssertionError(f"step {step.index} has no message for {step.recv_chunks}")
+        lay, D = spec.layout, k.shape[3]
+        self.at: dict[int, tuple[int, Piece]] = {}
+        if buf is None and step.recv:
+            raise AssertionError(f"step {step.index} has no message for {step.recv}")
         if buf is None:  # step 0 (the local shards), or a step that receives nothing
             self.k, self.v = k, v
-            for j in self.lay.chunks(spec.rank):
-                self.at[j] = (k, self.lay.local_start(spec.rank, j))
+            for j in lay.chunks(spec.rank):
+                self.at[j] = (lay.local_start(spec.rank, j), Piece(j, 0, lay.chunk_len(j)))
         else:
-            self.k, self.v = buf[..., : self.D], buf[..., self.D :]
+            self.k, self.v = buf[..., :D], buf[..., D:]
             off = 0
-            for j in step.recv_chunks:
-                self.at[j] = (buf, off)
-                off += self.lay.chunk_len(j)
+            for pc in step.recv:
+                self.at[pc.chunk] = (off, pc)
+                off += pc.rows
 
     def kv(self, j: int) -> tuple[Tensor, Tensor]:
-        _, a = self.at[j]
-        n = self.lay.chunk_len(j)
-        return self.k.narrow(2, a, n), self.v.narrow(2, a, n)
+        a, pc = self.at[j]
+        return self.k.narrow(2, a, pc.rows), self.v.narrow(2, a, pc.rows)
 
     def offset(self, j: int) -> int:
-        return self.at[j][1]
+        return self.at[j][0]
 
 
-def pack(lay: Layout, rank: int, k: Tensor, v: Tensor, chunks: tuple[int, ...]) -> Tensor:
-    """``[B, Hkv, rows, D + Dv]``: the keys and values of ``chunks``, side by side."""
+def pack(lay: Layout, rank: int, k: Tensor, v: Tensor, pieces: tuple[Piece, ...]) -> Tensor:
+    """``[B, Hkv, rows, D + Dv]``: the keys and values of ``pieces``, side by side."""
     parts = []
-    for j in chunks:
-        a, n = lay.local_start(rank, j), lay.chunk_len(j)
-        parts.append(torch.cat((k.narrow(2, a, n), v.narrow(2, a, n)), dim=-1))
+    for pc in pieces:
+        a = lay.local_start(rank, pc.chunk) + pc.lo
+        parts.append(torch.cat((k.narrow(2, a, pc.rows), v.narrow(2, a, pc.rows)), dim=-1))
     return torch.cat(parts, dim=2)
 
 
-def rows_of(lay: Layout, chunks: tuple[int, ...]) -> int:
-    return sum(lay.chunk_len(j) for j in chunks)
+def rows_of(pieces: tuple[Piece, ...]) -> int:
+    return sum(pc.rows for pc in pieces)
 
 
 def post_kv(spec: Spec, ex: Exchange, step: Step, k: Tensor, v: Tensor, tag: int) -> Pending | None:
     """Send this step's chunks to its destination; post the receive of its source's."""
     lay = spec.layout
-    if step.send_chunks:
-        ex.send(pack(lay, spec.rank, k, v, step.send_chunks), step.send_to, tag)
-    if not step.recv_chunks:
+    if step.send:
+        ex.send(pack(lay, spec.rank, k, v, step.send), step.send_to, tag)
+    if not step.recv:
         return None
     B, H, _, D = k.shape
-    shape = (B, H, rows_of(lay, step.recv_chunks), D + v.shape[3])
+    shape = (B, H, rows_of(step.recv), D + v.shape[3])
     return ex.recv(shape, k.dtype, k.device, step.recv_from, tag)
 
 
@@ -142,7 +143,7 @@ def forward(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
     def visit(step: Step, ch: Chunks) -> None:
         for pair in step.pairs:
             a, n = lay.local_start(rank, pair.q_chunk), lay.chunk_len(pair.q_chunk)
-            kj, vj = ch.kv(pair.k_chunk)
+            kj, vj = ch.kv(pair.keys.chunk)
             o_i, l_i = _partial(spec, pair, q.narrow(2, a, n).to(wd), kj.to(wd), vj.to(wd))
             o, ls = out.narrow(2, a, n), lse.narrow(2, a, n)
             new = torch.logaddexp(ls, l_i)

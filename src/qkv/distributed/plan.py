@@ -25,31 +25,54 @@ from .positions import mask_for
 
 Tensor = torch.Tensor
 
-# The tile of the FLOP estimate inside a partial chunk pair: qkv's default block.
+# The coarsest tile inside a partial chunk pair (key ranges, FLOP estimate): qkv's default.
 _FLOP_TILE = 128
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Rows ``[lo, hi)`` of chunk ``chunk`` (offsets inside the chunk): what a message
+    carries of it, the hull of the key rows the receiver's queries see there."""
+
+    chunk: int
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
 class Pair:
-    """A query chunk of this rank against a key chunk: ``state`` is partial or full."""
+    """A query chunk of this rank against a piece of a key chunk: ``state`` (of the chunk
+    pair) is partial or full."""
 
     q_chunk: int
-    k_chunk: int
+    keys: Piece
     state: int
 
 
 @dataclass(frozen=True)
 class Step:
-    """Step ``index`` of one rank: receive ``recv_chunks`` from ``recv_from`` (this step's
-    source), send ``send_chunks`` to ``send_to``, then compute ``pairs`` with the received
-    chunks (step 0: the rank's own chunks, nothing moves)."""
+    """Step ``index`` of one rank: receive ``recv`` from ``recv_from`` (this step's source),
+    send ``send`` to ``send_to``, then compute ``pairs`` with what arrived (step 0: the rank's
+    own chunks, nothing moves)."""
 
     index: int
     recv_from: int
-    recv_chunks: tuple[int, ...]
+    recv: tuple[Piece, ...]
     send_to: int
-    send_chunks: tuple[int, ...]
+    send: tuple[Piece, ...]
     pairs: tuple[Pair, ...]
+
+    @property
+    def recv_chunks(self) -> tuple[int, ...]:
+        return tuple(p.chunk for p in self.recv)
+
+    @property
+    def send_chunks(self) -> tuple[int, ...]:
+        return tuple(p.chunk for p in self.send)
 
 
 @dataclass(frozen=True)
@@ -112,8 +135,8 @@ class Plan:
         ]
         for rp in self.ranks:
             moves = [
-                f"{st.index}: from {st.recv_from} chunks {list(st.recv_chunks)}, "
-                f"to {st.send_to} chunks {list(st.send_chunks)}"
+                f"{st.index}: from {st.recv_from} {_pieces(lay, st.recv)}, "
+                f"to {st.send_to} {_pieces(lay, st.send)}"
                 for st in rp.steps[1:]
                 if st.recv_chunks or st.send_chunks
             ]
@@ -126,6 +149,14 @@ class Plan:
             lines.append("  steps " + ("; ".join(moves) if moves else "none: nothing moves"))
         lines.append(f"an all-gather of K/V would receive {_fmt(self.allgather_bytes)} per rank")
         return "\n".join(lines)
+
+
+def _pieces(lay: Layout, ps: tuple[Piece, ...]) -> str:
+    """Global key ranges, ``[a, b)``."""
+    if not ps:
+        return "nothing"
+    a = [lay.bounds(p.chunk)[0] for p in ps]
+    return " ".join(f"[{x + p.lo}, {x + p.hi})" for x, p in zip(a, ps, strict=True))
 
 
 def _fmt(n: float) -> str:
@@ -151,18 +182,31 @@ def chunk_states(m: MaskKind, lay: Layout, B: int, H: int, device: torch.device)
     return out
 
 
-def _pair_area(m: MaskKind, lay: Layout, qc: int, kc: int, state: int, B: int, H: int) -> int:
-    """Score positions a partial call computes: its visible 128 x 128 tiles."""
+def _pair_detail(
+    m: MaskKind, lay: Layout, qc: int, kc: int, state: int, B: int, H: int, device: torch.device
+) -> tuple[int, int, int] | None:
+    """``(lo, hi, area)`` of a chunk pair: the key rows ``[lo, hi)`` of chunk ``kc`` that
+    some query of chunk ``qc`` sees, to the resolution of a fine tiling (``c / 16``
+    positions, at most qkv's default block of 128), and the score positions of its visible
+    tiles (the FLOP estimate). ``None`` when the pair is empty."""
     q, k = lay.bounds(qc), lay.bounds(kc)
     lq, lk = q[1] - q[0], k[1] - k[0]
+    if state == EMPTY or lq == 0 or lk == 0:
+        return None
     if state == FULL:
-        return lq * lk
-    sub = mask_kind(mask_for(m, q, k, lay.L))
-    g = Grid(B, H, lq, lk, _FLOP_TILE, _FLOP_TILE, torch.device("cpu"))
-    st = g.classify(sub).amax(dim=(0, 1)).expand(g.nq, g.nk)  # visible for some (b, h)
+        return 0, lk, lq * lk
+    f = max(1, min(_FLOP_TILE, lay.chunk // 16))
+    sub = mask_kind(mask_for(m, q, k, lay.L))  # the shifted mask, classified as qkv would
+    g = Grid(B, H, lq, lk, f, f, device)
+    st = g.classify(sub).amax(dim=(0, 1)).expand(g.nq, g.nk)  # [nq, nk], any (b, h)
+    vis = st != EMPTY
+    cols_seen = vis.any(0).nonzero().view(-1)  # key tiles some query tile sees
+    if cols_seen.numel() == 0:
+        return None
     rows = (g.q_last - g.q_start + 1).view(-1, 1)  # [nq, 1]
     cols = (g.k_last - g.k_start + 1).view(1, -1)  # [1, nk]
-    return int(((st != EMPTY) * rows * cols).sum())
+    lo, hi = int(g.k_start[cols_seen[0]]), int(g.k_last[cols_seen[-1]]) + 1
+    return lo, hi, int((vis * rows * cols).sum())
 
 
 def build(
@@ -177,26 +221,31 @@ def build(
     element_size: int,
     grad_size: int,
     device: torch.device,
-    flops: bool = True,
 ) -> Plan:
     """The plan of every rank (each rank builds all of them: the sends of one are the
-    receives of another). ``flops=False`` skips the FLOP estimate (the run does not need it).
-    ``grad_size``: bytes per element of the dK/dV partial sums (the compute dtype)."""
+    receives of another). ``grad_size``: bytes per element of the dK/dV partial sums (the
+    compute dtype)."""
     W = lay.world_size
     states = chunk_states(m, lay, B, Hq, device)
     row_kv = B * Hkv * (D + Dv)
+    detail: dict[tuple[int, int], tuple[int, int, int] | None] = {}
 
-    def needed(r: int, s: int) -> tuple[int, ...]:
-        """Rank s's chunks that some query chunk of rank r sees (non-empty chunks only)."""
-        return tuple(
-            j
-            for j in lay.chunks(s)
-            if lay.chunk_len(j)
-            and any(lay.chunk_len(i) and states[i, j] != EMPTY for i in lay.chunks(r))
-        )
+    def pair(i: int, j: int) -> tuple[int, int, int] | None:
+        if (i, j) not in detail:
+            detail[(i, j)] = _pair_detail(m, lay, i, j, int(states[i, j]), B, Hq, device)
+        return detail[(i, j)]
 
-    def rows(chunks: tuple[int, ...]) -> int:
-        return sum(lay.chunk_len(j) for j in chunks)
+    def needed(r: int, s: int) -> tuple[Piece, ...]:
+        """The pieces of rank s's chunks that some query chunk of rank r sees."""
+        out = []
+        for j in lay.chunks(s):
+            seen = [d for d in (pair(i, j) for i in lay.chunks(r)) if d is not None]
+            if seen:
+                out.append(Piece(j, min(d[0] for d in seen), max(d[1] for d in seen)))
+        return tuple(out)
+
+    def rows(pieces: tuple[Piece, ...]) -> int:
+        return sum(p.rows for p in pieces)
 
     ranks = []
     for r in range(W):
@@ -204,22 +253,23 @@ def build(
         total = 0.0
         for t in range(W):
             src, dst = (r - t) % W, (r + t) % W
-            got = needed(r, src) if t else lay.chunks(r)
+            own = tuple(Piece(j, 0, lay.chunk_len(j)) for j in lay.chunks(r))
+            got = needed(r, src) if t else own
             give = needed(dst, r) if t else ()
             pairs = tuple(
-                Pair(i, j, int(states[i, j]))
+                Pair(i, pc, int(states[i, pc.chunk]))
                 for i in lay.chunks(r)
-                for j in got
-                if lay.chunk_len(i) and lay.chunk_len(j) and states[i, j] != EMPTY
+                for pc in got
+                if pair(i, pc.chunk) is not None
             )
             steps.append(Step(t, src, got if t else (), dst, give, pairs))
             if t:
                 sent += rows(give) * row_kv
                 recv += rows(got) * row_kv
-            if flops:
-                area = sum(_pair_area(m, lay, p.q_chunk, p.k_chunk, p.state, B, Hq) for p in pairs)
-                total += 2.0 * B * Hq * (D + Dv) * area
-        rows_kv_sent, rows_kv_recv = sent // max(1, row_kv), recv // max(1, row_kv)
+            for p in pairs:
+                d = pair(p.q_chunk, p.keys.chunk)
+                assert d is not None
+                total += 2.0 * B * Hq * (D + Dv) * d[2]
         ranks.append(
             RankPlan(
                 rank=r,
@@ -227,8 +277,8 @@ def build(
                 steps=tuple(steps),
                 bytes_sent=sent * element_size,
                 bytes_received=recv * element_size,
-                backward_bytes_sent=(sent * element_size + rows_kv_recv * row_kv * grad_size),
-                backward_bytes_received=(recv * element_size + rows_kv_sent * row_kv * grad_size),
+                backward_bytes_sent=sent * element_size + recv * grad_size,
+                backward_bytes_received=recv * element_size + sent * grad_size,
                 flops=total,
             )
         )
