@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .._kinds import describe
 from .._problem import Problem, validate
@@ -33,6 +34,7 @@ class _ContextParallel(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @once_differentiable  # the recomputing backward is not itself differentiable: say so
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:

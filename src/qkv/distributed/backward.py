@@ -78,7 +78,10 @@ def backward(
         if step.index and step.send:  # dK/dV of my pieces the destination received
             shape = (*k.shape[:2], rows_of(step.send), dkv.shape[3])
             incoming.append(
-                (step, grad_ex.recv(shape, wd, k.device, step.send_to, tag=W + step.index))
+                (
+                    step,
+                    grad_ex.recv(shape, wd, k.device, step.send_to, tag=W + step.index, grads=True),
+                )
             )
         if step.index and not step.recv:
             return

@@ -27,12 +27,15 @@ Tensor = torch.Tensor
 class Traffic:
     """What moved while recording: ``sent[(phase, peer)]`` and ``received[(phase, peer)]``
     in bytes (``phase`` is ``"forward"`` or ``"backward"``; ``peer`` a rank of the group),
-    ``wait_s`` blocked in receives, ``compute_s`` in attention between them."""
+    ``wait_s`` blocked in receives of keys/values, ``grad_wait_s`` in receives of dK/dV
+    partial sums (which also waits for the peer to finish computing them), ``compute_s`` in
+    attention calls."""
 
     sent: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     received: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
     messages: int = 0
     wait_s: float = 0.0
+    grad_wait_s: float = 0.0
     compute_s: float = 0.0
 
     def peers(self) -> set[int]:
@@ -67,23 +70,28 @@ def _note(kind: str, phase: str, peer: int, nbytes: int) -> None:
         t.messages += 1
 
 
-def note_time(wait: float = 0.0, compute: float = 0.0) -> None:
+def note_time(wait: float = 0.0, compute: float = 0.0, grad_wait: float = 0.0) -> None:
     for t in _recording:
         t.wait_s += wait
+        t.grad_wait_s += grad_wait
         t.compute_s += compute
 
 
 class Pending:
     """A posted receive: ``wait()`` gives its tensor."""
 
-    def __init__(self, work: Any, buf: Tensor) -> None:
-        self.work, self.buf = work, buf
+    def __init__(self, work: Any, buf: Tensor, grads: bool) -> None:
+        self.work, self.buf, self.grads = work, buf, grads
 
     def wait(self) -> Tensor:
         t0 = time.perf_counter()
         if self.work is not None:
             self.work.wait()
-        note_time(wait=time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        if self.grads:
+            note_time(grad_wait=dt)
+        else:
+            note_time(wait=dt)
         return self.buf
 
 
@@ -104,12 +112,18 @@ class Exchange:
         _note("sent", self.phase, peer, t.numel() * t.element_size())
 
     def recv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, peer: int, tag: int
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        peer: int,
+        tag: int,
+        grads: bool = False,
     ) -> Pending:
         buf = torch.empty(shape, dtype=dtype, device=device)
         work = dist.irecv(buf, self._global(peer), group=self.group, tag=tag)
         _note("received", self.phase, peer, buf.numel() * buf.element_size())
-        return Pending(work, buf)
+        return Pending(work, buf, grads)
 
     def finish(self) -> None:
         for work, _ in self.sends:
