@@ -116,19 +116,34 @@ def post_kv(spec: Spec, ex: Exchange, step: Step, k: Tensor, v: Tensor, tag: int
     return ex.recv(shape, k.dtype, k.device, step.recv_from, tag)
 
 
+# Messages in flight ahead of the step being computed: step i + 1 and i + 2 arrive while step
+# i computes (steps that move nothing are skipped), so a sparse schedule (a window in the
+# zigzag layout: steps 1 and W - 1 only) still overlaps both of its messages with compute;
+# at most DEPTH received buffers wait beside the one in use.
+DEPTH = 2
+
+
 def run_steps(spec: Spec, ex: Exchange, k: Tensor, v: Tensor, visit: Any) -> None:
-    """Call ``visit(step, chunks)`` for every step of this rank, receiving step ``t + 1``'s
-    chunks while step ``t`` computes; ``visit`` runs after its step's message arrived."""
+    """Call ``visit(step, chunks)`` for step 0 and every step that moves something, posting
+    the messages of the next ``DEPTH`` such steps before computing the current one. Deadlock
+    free: a rank posts step t's send before it waits for any step >= t, so every wait of
+    step t is met once all ranks passed their waits of earlier steps."""
     steps = spec.plan.ranks[spec.rank].steps
-    W = len(steps)
-    pending = post_kv(spec, ex, steps[1], k, v, tag=1) if W > 1 else None
+    active = [st for st in steps[1:] if st.recv or st.send]
+    pending: dict[int, Pending | None] = {}
+
+    def post(i: int) -> None:
+        if i < len(active):
+            pending[i] = post_kv(spec, ex, active[i], k, v, tag=active[i].index)
+
+    for i in range(DEPTH):
+        post(i)
     visit(steps[0], Chunks(spec, k, v, steps[0], None))
-    for t in range(1, W):
-        nxt = post_kv(spec, ex, steps[t + 1], k, v, tag=t + 1) if t + 1 < W else None
-        # A step that receives nothing is still visited: it may send, or expect dK/dV back.
-        buf = pending.wait() if pending is not None else None
-        visit(steps[t], Chunks(spec, k, v, steps[t], buf))
-        pending = nxt
+    for i, st in enumerate(active):
+        post(i + DEPTH)
+        got = pending.pop(i)
+        # A step that receives nothing is still visited: it may expect dK/dV back.
+        visit(st, Chunks(spec, k, v, st, got.wait() if got is not None else None))
     ex.finish()
 
 

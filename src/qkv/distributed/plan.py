@@ -65,6 +65,7 @@ class Step:
     send_to: int
     send: tuple[Piece, ...]
     pairs: tuple[Pair, ...]
+    flops: float = 0.0  # forward FLOPs of this step's pairs
 
     @property
     def recv_chunks(self) -> tuple[int, ...]:
@@ -262,14 +263,16 @@ def build(
                 for pc in got
                 if pair(i, pc.chunk) is not None
             )
-            steps.append(Step(t, src, got if t else (), dst, give, pairs))
-            if t:
-                sent += rows(give) * row_kv
-                recv += rows(got) * row_kv
+            step_flops = 0.0
             for p in pairs:
                 d = pair(p.q_chunk, p.keys.chunk)
                 assert d is not None
-                total += 2.0 * B * Hq * (D + Dv) * d[2]
+                step_flops += 2.0 * B * Hq * (D + Dv) * d[2]
+            steps.append(Step(t, src, got if t else (), dst, give, pairs, step_flops))
+            total += step_flops
+            if t:
+                sent += rows(give) * row_kv
+                recv += rows(got) * row_kv
         ranks.append(
             RankPlan(
                 rank=r,
