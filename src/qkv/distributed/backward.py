@@ -75,16 +75,21 @@ def backward(
     incoming: list[tuple[Step, Pending]] = []
 
     def visit(step: Step, ch: Chunks) -> None:
-        if step.index and step.send:  # dK/dV of my pieces the destination received
-            shape = (*k.shape[:2], rows_of(step.send), dkv.shape[3])
-            incoming.append(
-                (
-                    step,
-                    grad_ex.recv(shape, wd, k.device, step.send_to, tag=W + step.index, grads=True),
-                )
-            )
-        if step.index and not step.recv:
+        acc = None if step.index and not step.recv else _grads_of(step, ch)
+        if step.index == 0:
             return
+        # dK/dV of the pieces this step received go back to their owner, and those of my
+        # pieces the destination received come back: one batch, the step's ring reversed.
+        tag = W + step.index
+        sends = [(acc, step.recv_from, tag)] if acc is not None else []
+        shape = (*k.shape[:2], rows_of(step.send), dkv.shape[3])
+        recvs = [(shape, wd, k.device, step.send_to, tag)] if step.send else []
+        got = grad_ex.post(sends, recvs, grads=True)
+        if got:
+            incoming.append((step, got[0]))
+
+    def _grads_of(step: Step, ch: Chunks) -> Tensor:
+        # Step 0 adds into this rank's own dK/dV; a received piece gets its own sums.
         acc = dkv if step.index == 0 else dkv.new_zeros(*ch.k.shape[:3], dkv.shape[3])
         for pair in step.pairs:
             a, n = lay.local_start(rank, pair.q_chunk), lay.chunk_len(pair.q_chunk)
@@ -113,8 +118,7 @@ def backward(
             for i, gp in enumerate(g[3:]):
                 if gp is not None:
                     dparams[i] += gp
-        if step.index and step.recv:
-            grad_ex.send(acc, step.recv_from, tag=W + step.index)
+        return acc
 
     run_steps(spec, Exchange(spec.group, "backward"), k, v, visit)
     for step, pending in incoming:

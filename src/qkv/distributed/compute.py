@@ -105,15 +105,15 @@ def rows_of(pieces: tuple[Piece, ...]) -> int:
 
 
 def post_kv(spec: Spec, ex: Exchange, step: Step, k: Tensor, v: Tensor, tag: int) -> Pending | None:
-    """Send this step's chunks to its destination; post the receive of its source's."""
+    """Send this step's pieces to its destination and post the receive of its source's, as
+    one batch; the receive's handle (None when nothing comes)."""
     lay = spec.layout
-    if step.send:
-        ex.send(pack(lay, spec.rank, k, v, step.send), step.send_to, tag)
-    if not step.recv:
-        return None
+    sends = [(pack(lay, spec.rank, k, v, step.send), step.send_to, tag)] if step.send else []
     B, H, _, D = k.shape
     shape = (B, H, rows_of(step.recv), D + v.shape[3])
-    return ex.recv(shape, k.dtype, k.device, step.recv_from, tag)
+    recvs = [(shape, k.dtype, k.device, step.recv_from, tag)] if step.recv else []
+    got = ex.post(sends, recvs)
+    return got[0] if got else None
 
 
 # Messages in flight ahead of the step being computed: step i + 1 and i + 2 arrive while step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,8 +95,17 @@ class Pending:
         return self.buf
 
 
+Send = tuple[Tensor, int, int]  # (tensor, peer, tag)
+Recv = tuple[tuple[int, ...], torch.dtype, torch.device, int, int]  # (shape, ..., peer, tag)
+
+
 class Exchange:
-    """The messages of one call on one rank, in one phase; ``finish()`` waits for its sends."""
+    """The messages of one call on one rank, in one phase; ``finish()`` waits for its sends.
+
+    Each ``post`` is one ``batch_isend_irecv``: a step's send and receive go out together,
+    which NCCL needs (its point-to-point calls outside one group run in order on one stream,
+    so a ring of lone sends would wait for receives queued behind them); gloo takes it too.
+    """
 
     def __init__(self, group: Any, phase: str) -> None:
         self.group, self.phase = group, phase
@@ -105,27 +114,27 @@ class Exchange:
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def send(self, t: Tensor, peer: int, tag: int) -> None:
-        t = t.contiguous()
-        work = dist.isend(t, self._global(peer), group=self.group, tag=tag)
-        self.sends.append((work, t))  # the tensor must outlive the send
-        _note("sent", self.phase, peer, t.numel() * t.element_size())
-
-    def recv(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-        peer: int,
-        tag: int,
-        grads: bool = False,
-    ) -> Pending:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, self._global(peer), group=self.group, tag=tag)
-        _note("received", self.phase, peer, buf.numel() * buf.element_size())
-        return Pending(work, buf, grads)
+    def post(
+        self, sends: Sequence[Send], recvs: Sequence[Recv], *, grads: bool = False
+    ) -> list[Pending]:
+        """Post ``sends`` and ``recvs`` as one batch; the receives' handles, in order."""
+        ops, kept, bufs = [], [], []
+        for t, peer, tag in sends:
+            t = t.contiguous()  # the tensor must outlive the send
+            ops.append(dist.P2POp(dist.isend, t, self._global(peer), self.group, tag))
+            kept.append(t)
+            _note("sent", self.phase, peer, t.numel() * t.element_size())
+        for shape, dtype, device, peer, tag in recvs:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group, tag))
+            bufs.append(buf)
+            _note("received", self.phase, peer, buf.numel() * buf.element_size())
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self.sends += list(zip(works[: len(sends)], kept, strict=True))
+        return [Pending(w, b, grads) for w, b in zip(works[len(sends) :], bufs, strict=True)]
 
     def finish(self) -> None:
         for work, _ in self.sends:
-            work.wait()
+            if work is not None:
+                work.wait()
         self.sends.clear()
