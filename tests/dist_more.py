@@ -142,3 +142,38 @@ def train(rank: int, W: int, layout: str) -> list[str]:
         opt_s.zero_grad()
         opt_w.zero_grad()
     return fails
+
+
+def subgroup(rank: int, W: int, layout: str) -> list[str]:
+    """``group=`` a subgroup (ranks 1..W-1 of the world): positions, peers and collectives are
+    those of the group, not the world; rank 0 stays out of it."""
+    g = dist.new_group(list(range(1, W)))  # every rank of the world calls new_group
+    if rank == 0:
+        return []
+    me, Wg, L = rank - 1, W - 1, 37
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, L, 8, generator=gen) for _ in range(3))
+    lay = qd.Layout(layout, Wg, L)
+    ql, kl, vl = (lay.take(t, me).requires_grad_() for t in (q, k, v))
+    out = qd.attention(ql, kl, vl, mask=qkv.sliding_window(4), group=g, layout=layout)
+    do = torch.randn(1, 2, L, 8, generator=gen)
+    out.backward(lay.take(do, me))
+    qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = qkv.attention(qf, kf, vf, mask=qkv.sliding_window(4))
+    assert isinstance(ref, Tensor)
+    ref.backward(do)
+    fails = []
+    for name, a, b in [
+        ("out", out, ref),
+        ("dq", ql.grad, qf.grad),
+        ("dk", kl.grad, kf.grad),
+        ("dv", vl.grad, vf.grad),
+    ]:
+        assert a is not None and b is not None
+        err = float((a - lay.take(b, me)).abs().max())
+        if err > 1e-5:
+            fails.append(f"{name} differs by {err:.3g} from the single-process call")
+    full = qd.unshard(out.detach(), group=g, layout=layout)
+    if full.shape != ref.shape or float((full - ref).abs().max()) > 1e-5:
+        fails.append("qd.unshard over the subgroup is not the full output")
+    return fails

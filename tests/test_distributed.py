@@ -18,12 +18,12 @@ import torch.distributed as dist
 import qkv
 import qkv.distributed as qd
 from dist_cases import CASES, run_case
-from dist_more import errors, traffic, train
+from dist_more import errors, subgroup, traffic, train
 from dist_testing import init_worker, run_world, write_result
 
 WORLDS = [2, 3, 4]
 LAYOUTS = ["zigzag", "contiguous"]
-EXTRA = ["traffic window", "traffic causal", "errors", "trains"]
+EXTRA = ["traffic window", "traffic causal", "errors", "trains", "subgroup"]
 
 
 def _world(rank: int, W: int, port: int, out: str) -> None:
@@ -43,6 +43,7 @@ def _world(rank: int, W: int, port: int, out: str) -> None:
         attempt(f"{layout}/traffic causal", traffic, rank, W, layout, "causal")
         attempt(f"{layout}/errors", errors, rank, W, layout)
         attempt(f"{layout}/trains", train, rank, W, layout)
+        attempt(f"{layout}/subgroup", subgroup, rank, W, layout)
     write_result(out, rank, results)
     dist.destroy_process_group()
 
