@@ -3,6 +3,8 @@ errors every rank raises together, and a model that trains over a split sequence
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -88,7 +90,11 @@ def errors(rank: int, W: int, layout: str) -> list[str]:
     other = "contiguous" if layout == "zigzag" else "zigzag"
     lay_r = layout if rank else other
     fails += _expect(qd.attention, q, k, v, layout=lay_r, must=("layout",))
-    out = qd.attention(q, k, v, mask=qkv.causal, layout=layout)  # still in step
+    bad_layout = "ring" if rank == 0 else layout  # refused on rank 0 alone, raised on all
+    must = ("layout must be one of",) if rank == 0 else ("ranks [0] refused",)
+    fails += _expect(qd.attention, q, k, v, layout=bad_layout, must=must)
+    scale = None if rank == 0 else 1 / math.sqrt(8)  # the same scale said two ways: no error
+    out = qd.attention(q, k, v, mask=qkv.causal, scale=scale, layout=layout)  # still in step
     if out.shape != q.shape:
         fails.append(f"after the errors, an output of shape {list(out.shape)}")
     return fails

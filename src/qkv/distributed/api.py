@@ -106,11 +106,13 @@ def attention(
         out = qd.unshard(out_l)        # == qkv.attention(q, k, v, mask=qkv.causal)
     """
     rank, W = checks.check_group(group)
-    check_layout(layout)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
+    # A mistake on one rank is raised on every rank, after the all_gather in agree(): raising
+    # here alone would leave the others waiting there until the group's timeout.
     local_error: Exception | None = None
     try:
+        check_layout(layout)
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
         checks.check_local(rank, q, k, v)
     except (TypeError, ValueError) as e:
         local_error = e

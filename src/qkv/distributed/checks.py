@@ -5,13 +5,14 @@ a clear error on every rank instead of a hang or a wrong answer.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .layout import Layout, infer_length
+from .layout import LAYOUTS, Layout, infer_length
 
 Tensor = torch.Tensor
 
@@ -62,6 +63,17 @@ def gather_into(out: Tensor, t: Tensor, group: Any) -> None:
     it: ``all_gather_into_tensor`` is deprecated in torch 2.13)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, t, group=group)
+
+
+def _scale_key(scale: object, D: int) -> str:
+    """The scale as the call will use it (None is 1/sqrt(D)), so ranks passing None and the
+    same number agree; never raises (a bad scale is refused after the ranks agree)."""
+    if scale is None:
+        return repr(1.0 / math.sqrt(D) if D > 0 else 1.0)
+    try:
+        return repr(float(scale))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return repr(scale)
 
 
 def _crc(s: str) -> int:
@@ -119,10 +131,10 @@ def agree(
         q.shape[3],
         v.shape[3],
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
-        0 if layout == "zigzag" else 1,
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
         _crc(mask),
         _crc(score),
-        _crc(repr(scale)),
+        _crc(_scale_key(scale, q.shape[3])),
         n_params,
         int(needs_grad),
         _crc(q.device.type),
