@@ -93,9 +93,9 @@ def attention(
             ``"contiguous"``; see :class:`qkv.distributed.Layout`.
         return_lse: also return ``lse [B, Hq, L_local]`` (float32).
 
-    Only the key/value chunks some of this rank's queries see are received (and only the
-    chunks other ranks need are sent), by ``isend``/``irecv`` overlapped with computing the
-    chunks already here; :func:`plan` says which. Gradients reach q, k, v (dK/dV partial sums
+    Only the key/value rows some of this rank's queries see are received (and only the rows
+    other ranks need are sent), by ``isend``/``irecv`` overlapped with computing the chunks
+    already here; :func:`plan` says which. Gradients reach q, k, v (dK/dV partial sums
     travel back to the owners) and the tensors a score_mod closes over (all-reduced: every
     rank gets the full gradient). Half-precision inputs are computed per pair in float32.
 

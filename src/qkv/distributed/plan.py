@@ -1,14 +1,16 @@
-"""The plan of a context-parallel call: which key/value chunks travel where, in which step,
-and what each rank computes. ``qd.plan`` prints it; ``qd.attention`` executes the same one.
+"""The plan of a context-parallel call: which key/value rows travel where, in which step, and
+what each rank computes. ``qd.plan`` prints it; ``qd.attention`` executes the same one.
 
 From qkv's block classification of the mask at global positions, with one tile per chunk
 (:class:`qkv._tiles.Grid` with ``bq = bk = c``, analytic for every built-in mask), each
-(query chunk, key chunk) pair is empty, partial or full. Rank ``s`` sends its chunk ``j`` to
-rank ``r`` only if some query chunk of ``r`` sees some of ``j``; the sends follow a ring
-(step ``t``: rank ``r`` receives from ``r - t`` and sends to ``r + t``), so every step is a
-permutation and ``isend``/``irecv`` of one step never wait on each other. A sliding window
-narrower than a chunk therefore talks only to neighbours, a causal mask sends nothing
-backwards in the contiguous layout, and documents only reach the ranks that share them.
+(query chunk, key chunk) pair is empty, partial or full; a partial pair is classified again
+at ``c / 16`` resolution (at most 128 positions) to find the key rows its queries see. Rank
+``s`` sends rank ``r`` only those rows of its chunks (their hull, one piece per chunk), and
+only if some query chunk of ``r`` sees some of them; the sends follow a ring (step ``t``:
+rank ``r`` receives from ``r - t`` and sends to ``r + t``), so every step is a permutation.
+A sliding window therefore moves the window's rows between neighbours only, causal sends
+nothing backwards in the contiguous layout, and documents only reach the ranks that share
+them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Point-to-point transport on ``torch.distributed``: ``isend``/``irecv`` of packed key/value
-chunks (and of dK/dV partial sums in the backward), and a record of what moved.
+rows (and of dK/dV partial sums in the backward), and a record of what moved.
 
 Every message is one contiguous tensor ``[B, Hkv, rows, D + Dv]`` (keys and values of the
-chunks a step names, side by side), so a step costs one send and one receive per rank.
+pieces a step names, side by side), so a step costs one send and one receive per rank.
 ``with qd.traffic() as t:`` records each message (phase, peer, bytes) and the seconds spent
 waiting for receives versus computing, which is how the tests count neighbour-only traffic
 and the benchmark measures overlap.
