@@ -231,6 +231,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         score_mod: object = None,
         cache: KVCache | SlidingWindowCache | None = None,
         need_weights: bool = False,
+        context_parallel: object = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x_q`` to ``x_kv`` (or to ``x_q`` itself when ``x_kv`` is None).
 
@@ -254,6 +255,10 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
                 ``torch.nn.MultiheadAttention`` returns the dropped-out, rescaled weights it
                 multiplied ``v`` with.
 
+            context_parallel: ``True``, a process group or a ``qkv.distributed.ContextParallel``:
+                ``x_q`` is this rank's shard of a split sequence (``qd.shard(x, dim=1)``) and
+                attention runs over the whole sequence, by ``qkv.distributed.attention``.
+
         Returns:
             ``out [B, Lq, d_model]`` (``[Lq, d_model]`` unbatched), or ``(out, weights)``.
         """
@@ -265,6 +270,11 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
             xq, xk, xv = xq[None], xk[None], xv[None]  # [1, L, width]
         B, Lq, _ = xq.shape
         Lk = xk.shape[1]
+        cp = None
+        if context_parallel is not None:  # issue 12; imported here so `import qkv` stays light
+            from .distributed.module import bind
+
+            cp = bind(context_parallel, self, xq, x_kv=x_kv, cache=cache, need_weights=need_weights)
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         if cache is not None:
             if x_kv is not None:
@@ -293,13 +303,14 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
             q, k = self.q_norm(q), self.k_norm(k)
         pos = cache.length if cache is not None else 0
         if self.rope is not None:
-            q, k = self.rope(q, offset=pos), self.rope(k, offset=pos)
+            at: dict[str, Any] = {"offset": pos} if cp is None else {"positions": cp.positions}
+            q, k = self.rope(q, **at), self.rope(k, **at)
         if cache is not None:
             k, v, mask, score_mod = cache._extend(k, v, mask, score_mod, ordered=need_weights)
 
         p_drop = self.dropout if self.training else 0.0
         weights: Tensor | None = None
-        res = attention(
+        res = (attention if cp is None else cp.attention)(
             q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop, return_lse=need_weights
         )
         if need_weights:

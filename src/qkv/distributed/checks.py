@@ -1,0 +1,177 @@
+"""Checks at the door of ``qd.attention``: the group, the local tensors, and that every rank
+describes the same call (one ``all_gather`` of a small descriptor), so that a disagreement is
+a clear error on every rank instead of a hang or a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .layout import LAYOUTS, Layout, infer_length
+
+Tensor = torch.Tensor
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_group(group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group`` (None: the default group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "qkv.distributed needs an initialised process group: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) on every rank first"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {group!r}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given group")
+    return rank, dist.get_world_size(group)
+
+
+def check_local(rank: int, q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"rank {rank}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(
+                f"rank {rank}: {name} has shape {tuple(t.shape)}; qkv.distributed takes this "
+                f"rank's shard as [B, H, L_local, D]"
+            )
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    devices = {q.device, k.device, v.device}
+    if len(devices) != 1:
+        raise ValueError(
+            f"rank {rank}: q, k and v are on {q.device}, {k.device} and {v.device}; put this "
+            f"rank's shards on one device"
+        )
+    if not (q.shape[2] == k.shape[2] == v.shape[2]):
+        raise ValueError(
+            f"rank {rank}: q {list(q.shape)}, k {list(k.shape)} and v {list(v.shape)} hold "
+            f"different numbers of positions; each rank holds the same rows of one sequence "
+            f"for q, k and v (self-attention over the split sequence)"
+        )
+
+
+def gather_into(out: Tensor, t: Tensor, group: Any) -> None:
+    """``all_gather`` of equal-sized tensors into one (``all_gather_single`` where torch has
+    it: ``all_gather_into_tensor`` is deprecated in torch 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, t, group=group)
+
+
+def _scale_key(scale: object, D: int) -> str:
+    """The scale as the call will use it (None is 1/sqrt(D)), so ranks passing None and the
+    same number agree; never raises (a bad scale is refused after the ranks agree)."""
+    if scale is None:
+        return repr(1.0 / math.sqrt(D) if D > 0 else 1.0)
+    try:
+        return repr(float(scale))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return repr(scale)
+
+
+def _crc(s: str) -> int:
+    return zlib.crc32(s.encode())
+
+
+FIELDS = (
+    "L_local",
+    "local error",
+    "batch",
+    "q heads",
+    "kv heads",
+    "head dim",
+    "value dim",
+    "dtype",
+    "layout",
+    "mask",
+    "score_mod",
+    "scale",
+    "learnable tensors",
+    "needs grad",
+    "device type",
+)
+
+
+def agree(
+    group: Any,
+    rank: int,
+    W: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    layout: str,
+    mask: str,
+    score: str,
+    scale: float | None,
+    n_params: int,
+    needs_grad: bool,
+    local_error: Exception | None = None,
+) -> Layout:
+    """All-gather each rank's description of the call; raise naming the ranks that disagree,
+    or whose shard length is not what the layout gives them. Returns the layout.
+
+    A rank whose own inputs were refused (``local_error``) still joins the all_gather, so
+    every rank raises instead of the others waiting for it until the group's timeout."""
+    if local_error is not None:  # stand-ins, only to fill the descriptor
+        q = k = v = torch.zeros(1, 1, 1, 1)
+    mine = [
+        q.shape[2],
+        int(local_error is not None),
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[3],
+        v.shape[3],
+        _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
+        LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        _crc(mask),
+        _crc(score),
+        _crc(_scale_key(scale, q.shape[3])),
+        n_params,
+        int(needs_grad),
+        _crc(q.device.type),
+    ]
+    dev = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(mine, dtype=torch.int64, device=dev)
+    out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
+    gather_into(out, t, group=group)
+    table = out.view(W, len(mine)).cpu().tolist()  # [W, fields]
+    if local_error is not None:
+        raise local_error
+    failed = [r for r in range(W) if table[r][1]]
+    if failed:
+        raise ValueError(
+            f"rank {rank}: ranks {failed} refused their inputs to qd.attention (their error "
+            f"says why); this rank stops with them"
+        )
+    for f, name in enumerate(FIELDS[2:], start=2):
+        vals = [row[f] for row in table]
+        if len(set(vals)) > 1:
+            who = [r for r in range(W) if vals[r] != vals[rank]]
+            raise ValueError(
+                f"rank {rank}: the ranks disagree on the {name} of qd.attention (ranks {who} "
+                f"differ from this one: q {list(q.shape)}, k {list(k.shape)}, v "
+                f"{list(v.shape)}, dtype {q.dtype}, layout {layout!r}, mask {mask}, "
+                f"score_mod {score}, scale {scale}); every rank must make the same call on "
+                f"its own shard"
+            )
+    lengths = [row[0] for row in table]
+    L = infer_length(layout, W, lengths)
+    if L is None:
+        total = sum(lengths)
+        want = list(Layout(layout, W, total).lengths) if total >= 1 else []
+        bad = [r for r in range(W) if not want or lengths[r] != want[r]]
+        raise ValueError(
+            f"rank {rank}: shard lengths {lengths} (ranks 0..{W - 1}) are not the {layout} "
+            f"layout of any sequence: for L = {total} it gives {want}; ranks {bad} differ "
+            f"(this rank holds q {list(q.shape)}). Split with qd.shard(x, layout={layout!r})"
+        )
+    return Layout(layout, W, L)

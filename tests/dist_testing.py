@@ -1,0 +1,100 @@
+"""Spawning a ``torch.distributed`` world for the tests: gloo on 127.0.0.1, a free port,
+bounded timeouts, and no process outliving the call (each is killed on failure or timeout).
+
+``run_world(W, target, *args)`` starts ``W`` processes running ``target(rank, W, port, out,
+*args)``, each writing its results as JSON to ``out/rank{r}.json``, and returns them by rank.
+A world is spawned once per world size and runs many cases, because starting one costs
+seconds (each process imports torch and qkv).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+# Generous for a loaded 2-core machine; a hang fails the test after this, never blocks it.
+WORLD_TIMEOUT_S = 420.0
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_worker(rank: int, world_size: int, port: int) -> None:
+    """Called first in every worker: one thread, loopback only, a bounded group timeout."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=GROUP_TIMEOUT,
+    )
+
+
+def write_result(out: str, rank: int, result: Any) -> None:
+    path = Path(out) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+
+
+def run_world(
+    world_size: int, target: Callable[..., None], *args: Any, timeout: float = WORLD_TIMEOUT_S
+) -> list[Any]:
+    """Run ``target`` on ``world_size`` spawned ranks; return each rank's JSON result."""
+    out = tempfile.mkdtemp(prefix="qkv-dist-")
+    env = {
+        "MPLCONFIGDIR": tempfile.mkdtemp(prefix="qkv-mpl-"),
+        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="qkv-inductor-"),
+        "OMP_NUM_THREADS": "1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        ctx = mp.start_processes(
+            target,
+            args=(world_size, free_port(), out, *args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"a world of {world_size} ranks ran past {timeout:.0f} s; killed"
+                    )
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(10)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    results = []
+    for r in range(world_size):
+        path = Path(out) / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return results
