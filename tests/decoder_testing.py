@@ -43,3 +43,17 @@ def peer() -> tuple[Any, Any]:
         path.parent, **kw, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     return model, AutoTokenizer.from_pretrained(path.parent, **kw)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Decoding runs hundreds of tiny kernels (one query, 576 features): on a shared 2-core
+    machine every intra-op barrier of a second thread waited for a descheduled core (SDPA
+    6.8 ms a call on 2 threads vs 0.07 ms on 1, measured under load), so the decoder tests
+    run on one thread, and restore the setting after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder_testing import CHAT, LONG, peer, smollm2
+from decoder_testing import CHAT, LONG, one_thread, peer, smollm2
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -28,6 +28,10 @@ TORTURE = [
     "\u00a0nbsp\u2003em\u200bzw",
     "a" * 300 + " " + "ab" * 100,
 ]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+__all__ = ["one_thread"]  # the fixture, imported for pytest to find
 
 
 @pytest.fixture(scope="module")
