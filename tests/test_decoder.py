@@ -109,3 +109,32 @@ def test_attention_maps_equal_eager(model, hf, which: str) -> None:
     assert w.shape == theirs.shape == (30, 9, len(tokens), len(tokens))
     assert torch.allclose(w, theirs, atol=1e-5, rtol=0)
     assert (w.triu(1) == 0).all()  # causal: nothing above the diagonal
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_folder_loads_the_same_model(model, hf, tmp_path) -> None:
+    """What transformers read from the GGUF file, written as a Hugging Face folder
+    (config.json, model.safetensors, tokenizer.json + its config): qkv loads that folder into
+    the same decoder, logits and chat template included. (transformers refuses to
+    save_pretrained a GGUF-loaded model, so the folder is written here.)"""
+    import json
+
+    from safetensors.torch import save_file
+
+    import qkv.models
+
+    conf = hf[0].config.to_dict()
+    conf.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    state = {k: v.contiguous() for k, v in hf[0].state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))  # tied: the head is the embedding
+    hf[1].save_pretrained(tmp_path)
+    folder = qkv.models.load(tmp_path)
+    assert isinstance(folder, qkv.models.TextDecoder)
+    assert folder.config.n_kv_heads == 3 and folder.config.tie_embeddings
+    text = model.chat_prompt(CHAT)
+    assert folder.chat_prompt(CHAT) == text
+    ids = model.tokenize(text).input_ids
+    assert torch.equal(folder.tokenize(text).input_ids, ids)
+    with torch.inference_mode():
+        assert (folder(ids).logits - model(ids).logits).abs().max() <= 1e-5

