@@ -179,8 +179,11 @@ class TextDecoder(nn.Module):
 
             >>> import qkv
             >>> model = qkv.models.load("smollm2")
-            >>> model.generate("The capital of France is", max_new_tokens=4)
+            >>> model.generate("The capital of France is", max_new_tokens=2)
             ' Paris.'
+            >>> prompts = ["The capital of France is", "1, 2, 3,"]
+            >>> model.generate(prompts, max_new_tokens=6, stop=[".", " 6"])
+            [' Paris', ' 4, 5,']
         """
         if isinstance(prompt, str):
             return "".join(
