@@ -157,7 +157,7 @@ def load(
         path = model_name_path(path)
     p = Path(path)
     model: TextEncoder | TextDecoder
-    if p.is_file() or p.suffix == ".gguf":
+    if p.suffix == ".gguf" or _starts_like_gguf(p):
         if importlib.util.find_spec("gguf") is None:
             raise ImportError(
                 "reading GGUF files needs the gguf package; install it with "
@@ -175,6 +175,14 @@ def load(
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def _starts_like_gguf(p: Path) -> bool:
+    """A file whose first bytes are GGUF's magic, whatever its name ends with."""
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _is_llama_folder(p: Path) -> bool:
