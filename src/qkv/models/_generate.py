@@ -9,7 +9,7 @@ score: RoPE scores depend on positions only through their difference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +93,7 @@ class StopText:
     that is safe to show now. Text that could still become a stop string, or an incomplete
     UTF-8 character, is held back until the next token decides it."""
 
-    def __init__(self, decode: object, stop: tuple[str, ...]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
         self._decode = decode
         self.stop = stop
         self.shown = ""  # text handed out so far
@@ -101,7 +101,7 @@ class StopText:
         self.stopped = False
 
     def push(self, ids: list[int]) -> str:
-        text = self._decode(ids)  # type: ignore[operator]
+        text = self._decode(ids)
         for st in self.stop:
             at = text.find(st)
             if at >= 0:

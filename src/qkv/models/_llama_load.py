@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> TextDecoder:
 
     g = read_gguf(path)
     meta = g.metadata
-    name = str(meta.get("general.name") or path.stem)
-    if path.name.startswith("SmolLM2-135M-Instruct"):
-        name = "SmolLM2-135M-Instruct"
+    # The file name without its quantisation suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" ->
+    # "SmolLM2-135M-Instruct"): general.name is often a training-run label
+    # ("Smollm2 135M 8k Lc100K Mix1 Ep2" in that file).
+    name = re.sub(r"[.\-_](?:i?q\d\w*|f16|f32|bf16)$", "", path.stem, flags=re.IGNORECASE)
     cfg = config_from_gguf(meta, path.name, name)
     tied = "output.weight" not in g.tensors
     cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})

@@ -157,8 +157,8 @@ class TextDecoder(nn.Module):
                 "stream takes one prompt string; for several prompts at once use "
                 "generate([...]), and for chat messages pass chat=True"
             )
-        yield from self._stream([self._prompt_ids(prompt, chat)], max_new_tokens, temperature,
-                                top_p, seed, stop, single=True)  # fmt: skip
+        rows = [self._prompt_ids(prompt, chat)]
+        yield from self._stream(rows, max_new_tokens, temperature, top_p, seed, stop, single=True)
 
     def generate(
         self,
@@ -170,7 +170,7 @@ class TextDecoder(nn.Module):
         seed: int | None = None,
         stop: str | list[str] | None = None,
         chat: bool = False,
-    ) -> Any:
+    ) -> str | list[str]:
         """Generate a continuation of ``prompt`` (a string → a string), or of each of a list of
         prompts, batched in one pass per step (a list → a list of strings, in order). The
         options are those of :meth:`stream`.
@@ -186,12 +186,10 @@ class TextDecoder(nn.Module):
             [' Paris', ' 4, 5,']
         """
         if isinstance(prompt, str):
+            rows = [self._prompt_ids(prompt, chat)]
             return "".join(
-                self.stream(
-                    prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    seed=seed, stop=stop, chat=chat,
-                )
-            )  # fmt: skip
+                self._stream(rows, max_new_tokens, temperature, top_p, seed, stop, single=True)
+            )
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise TypeError("prompt must be a string or a non-empty list of strings")
         rows = [self._prompt_ids(p, chat) for p in prompt]
