@@ -147,14 +147,16 @@ def _documents(kwargs: dict[str, Any], B: int, Lq: int, Lk: int) -> object | Non
     return document(ids)
 
 
-def _weights_requested(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+try:  # GPT-2 and others do not pass output_attentions down: ask transformers' output collector
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - a transformers without it: the keyword only
+    _active_collector = None  # type: ignore[assignment]
+
+
+def _weights_requested(kwargs: dict[str, Any]) -> bool:
     if kwargs.get("output_attentions"):
         return True
-    try:  # GPT-2 and others do not pass output_attentions down: ask the output collector
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - older transformers
-        return False
-    wanted = _active_collector.get()
+    wanted = None if _active_collector is None else _active_collector.get()
     return bool(wanted) and any(k.endswith("attentions") for k in wanted)
 
 
@@ -206,7 +208,7 @@ def attention_forward(
     elif softcap is not None:
         score_mod = softcap_mod(float(softcap))
 
-    want_weights = _weights_requested(module, kwargs)
+    want_weights = _weights_requested(kwargs)
     need_lse = want_weights or s_aux is not None
     token = _recording.CALLER.set(module) if _recording.current() is not None else None
     try:
