@@ -147,16 +147,20 @@ def _documents(kwargs: dict[str, Any], B: int, Lq: int, Lk: int) -> object | Non
     return document(ids)
 
 
-try:  # GPT-2 and others do not pass output_attentions down: ask transformers' output collector
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # pragma: no cover - a transformers without it: the keyword only
-    _active_collector = None  # type: ignore[assignment]
+def _collected() -> Any:
+    """What transformers' output collector is gathering in this forward (GPT-2 and others do
+    not pass ``output_attentions`` down, but the collector knows), or None."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - a transformers without it: the keyword only
+        return None
+    return _active_collector.get()
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:
     if kwargs.get("output_attentions"):
         return True
-    wanted = None if _active_collector is None else _active_collector.get()
+    wanted: Any = _collected()
     return bool(wanted) and any(k.endswith("attentions") for k in wanted)
 
 
