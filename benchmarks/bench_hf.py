@@ -257,6 +257,29 @@ def decode(args: argparse.Namespace) -> None:
     print(f"decode {args.new} tokens after 32, batch 1 ({args.rounds} rounds; same tokens: {same})")
     _report("tokens/s", rate, unit="tok/s")
     print(f"    qkv / sdpa tokens/s: {_median_ratio(rate, 'qkv', 'sdpa'):.2f}x")
+    _decode_steps(model, args)
+
+
+def _decode_steps(model: Any, args: argparse.Namespace) -> None:
+    """One decode step's forward alone, after 100 cached tokens: 6x the rounds, 5 steps each
+    from a copy of the same cache (no sampling, no generate loop)."""
+    import copy
+
+    ids = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(1))
+    tok = torch.tensor([[5]])
+    step: dict[str, list[float]] = {"qkv": [], "sdpa": []}
+    with torch.no_grad():
+        base = model(ids, use_cache=True).past_key_values
+        for _ in range(6 * args.rounds):
+            for impl in step:
+                model.set_attn_implementation(impl)
+                cache = copy.deepcopy(base)
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    model(tok, past_key_values=cache, use_cache=True)
+                step[impl].append((time.perf_counter() - t0) / 5)
+    _report("one decode step (100 cached)", step)
+    print(f"    sdpa / qkv step time: {_median_ratio(step, 'sdpa', 'qkv'):.3f}x")
 
 
 def main() -> None:
