@@ -245,6 +245,14 @@ def test_a_mask_for_other_lengths_is_refused() -> None:
         qkv.hf.attention_forward(torch.nn.Module(), q, q, q, m)
 
 
+def test_a_prepared_mask_passes_through_the_mask_function() -> None:
+    """generate prepares masks ahead for static caches and the model hands them back."""
+    m = mask_function(2, 3, 12, q_offset=9, mask_function=mu.causal_mask_function)
+    assert mask_function(2, 3, 12, q_offset=9, attention_mask=m) is m  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"prepared for \[2, 1, 3, 12\] was passed where"):
+        mask_function(2, 4, 12, attention_mask=m)  # type: ignore[arg-type]
+
+
 def test_fully_masked_rows_are_zero_never_nan() -> None:
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     pad = torch.tensor([[0, 0, 1, 1, 1]]).bool()

@@ -87,8 +87,11 @@ def test_training_step_gradients_match_eager(name: str) -> None:
         assert float((g - gq[n]).abs().max()) <= TOL * scale, n
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", CAUSAL)
-def test_greedy_generation_matches_eager(name: str) -> None:
+def test_greedy_generation_matches_eager(name: str, cache: str) -> None:
+    """Dynamic caches (a sliding layer's cache holds the window), and static caches, for which
+    ``generate`` prepares the masks ahead of the forward and the model passes them through."""
     eager, ours = _models(name)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 128, (2, 20), generator=g)  # a prefill longer than the window
@@ -96,6 +99,8 @@ def test_greedy_generation_matches_eager(name: str) -> None:
     am[1, :7] = 0  # generation pads on the left
     ids[am == 0] = 0
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
     ref = eager.generate(ids, attention_mask=am, **kw)
     got = ours.generate(ids, attention_mask=am, **kw)
     assert ref.shape == (2, 36)

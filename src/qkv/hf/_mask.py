@@ -41,6 +41,12 @@ class HFMask:
     shape: tuple[int, int, int, int]
     documents: bool = False
 
+    @property
+    def ndim(self) -> int:
+        """4, like transformers' own 4-D masks: a mask prepared ahead (``generate`` does so
+        for static caches) is then passed through rather than read as a 2-D padding mask."""
+        return 4
+
     def __repr__(self) -> str:
         return f"qkv.hf mask {list(self.shape)}: {mask_kind(self.mask).name}"
 
@@ -91,6 +97,14 @@ def mask_function(
     """
     from transformers.masking_utils import causal_mask_function
 
+    if isinstance(attention_mask, HFMask):  # prepared ahead for these lengths (static caches)
+        want = (batch_size, 1, q_length, kv_length)
+        if attention_mask.shape != want:
+            raise ValueError(
+                f"a qkv mask prepared for {list(attention_mask.shape)} was passed where "
+                f"transformers builds one for {list(want)}; let the model build its masks"
+            )
+        return attention_mask
     fn = causal_mask_function if mask_function is None else mask_function
     frame = Frame(batch_size, q_length, kv_length, int(q_offset), int(kv_offset))
     padding = None if attention_mask is None else attention_mask.to(torch.bool)
