@@ -178,3 +178,21 @@ def _whisper_grads(model: object, feats: torch.Tensor, dec: torch.Tensor) -> dic
     out.loss.backward()
     named = model.named_parameters()  # type: ignore[attr-defined]
     return {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "bert"])
+def test_bf16_error_within_eagers(name: str) -> None:
+    """In bfloat16, qkv's logits are as close to the float32 model's as eager's bfloat16 are
+    (the house rule: within 2x plain PyTorch's error in the same dtype)."""
+    ids, am = padded_batch()
+    real = am.bool()
+    ref = build(name)
+    ref.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=am).logits[real]
+        errs = {}
+        for impl in ("eager", "qkv"):
+            m = build(name).to(torch.bfloat16)
+            m.set_attn_implementation(impl)
+            errs[impl] = rel_err(want, m(input_ids=ids, attention_mask=am).logits.float()[real])
+    assert errs["qkv"] <= 2 * errs["eager"], errs
