@@ -29,13 +29,13 @@ tensors at absolute positions: exact, evaluated tile by tile.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import masks
 from .._kinds import band, classify_mask
+from .._positions import _MaskAt, shift_band
 
 Tensor = torch.Tensor
 
@@ -49,29 +49,6 @@ class Frame:
         self.B, self.Lq, self.Lk = B, Lq, Lk
         self.q_offset, self.kv_offset = q_offset, kv_offset
         self.d = q_offset - kv_offset  # kv_abs - q_abs = (j - i) - d
-
-
-class _AtPositions:
-    """A transformers mask_function evaluated at absolute positions (``q_idx + q_offset``,
-    ``kv_idx + kv_offset``): the fallback for closures qkv does not recognise."""
-
-    def __init__(self, fn: Callable[..., Any], q_offset: int, kv_offset: int) -> None:
-        self.fn, self.q_offset, self.kv_offset = fn, q_offset, kv_offset
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        out = self.fn(b, h, q_idx + self.q_offset, kv_idx + self.kv_offset)
-        if not isinstance(out, Tensor):
-            out = torch.as_tensor(out, device=q_idx.device)
-        return out.to(torch.bool)
-
-    def __repr__(self) -> str:
-        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        at = f"q from {self.q_offset}, kv from {self.kv_offset}"
-        return f"transformers mask_function {name} ({at})"
-
-    @property
-    def __name__(self) -> str:
-        return repr(self)
 
 
 class _KeyMask:
@@ -146,16 +123,16 @@ def _one(fn: Any, f: Frame, siblings: list[Any]) -> object:
         return _padding(fn[1], f)
     which, cl = _which(fn), _closure(fn)
     if which == "causal_mask_function":
-        return _band(None, f.d, f)
+        return _band(None, 0, f)
     if which == "bidirectional_mask_function":
         return _ALL
     if which == "sliding_window_overlay" and isinstance(cl.get("sliding_window"), int):
-        return _band(1 - cl["sliding_window"] + f.d, None, f)
+        return _band(1 - cl["sliding_window"], None, f)
     if which == "sliding_window_bidirectional_overlay" and isinstance(
         cl.get("sliding_window"), int
     ):
         w = cl["sliding_window"]
-        return _band(-w + f.d, w + f.d, f)
+        return _band(-w, w, f)
     if which == "padding_mask_function" and isinstance(cl.get("padding_mask"), Tensor):
         return _padding(cl["padding_mask"], f)
     if which == "packed_sequence_mask_function" and f.d == 0 and f.kv_offset == 0:
@@ -173,15 +150,15 @@ def _one(fn: Any, f: Frame, siblings: list[Any]) -> object:
         translated = _one(inner, f, [])
         if _is_band(translated):
             return translated
-    return _AtPositions(fn, f.q_offset, f.kv_offset)
+    return _MaskAt(fn, f.q_offset, f.kv_offset, f.q_offset + f.Lq)
 
 
 def _band(lo: int | None, hi: int | None, f: Frame) -> object:
-    """The buffer band ``lo <= j - i <= hi``; every position when it covers the whole buffer
-    (a decoding step's causal mask: its one query sees every cached key, so it runs unmasked)."""
-    if (lo is None or lo <= -(f.Lq - 1)) and (hi is None or hi >= f.Lk - 1):
-        return _ALL
-    return band(lo, hi).mask_mod
+    """The absolute band ``lo <= kv_abs - q_abs <= hi`` on the buffer (qkv's KV-cache shift);
+    every position when it covers the whole buffer (a decoding step's causal mask: its one
+    query sees every cached key, so it runs unmasked)."""
+    shifted = shift_band(band(lo, hi), f.d, f.Lq, f.Lk)
+    return _ALL if shifted is None else shifted
 
 
 def _is_band(m: object) -> bool:
