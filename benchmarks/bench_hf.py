@@ -17,6 +17,7 @@ same), reporting medians and the median of the per-round ratios, on 2 threads:
   decoding ``--new`` (128) tokens after a 32-token prompt, tokens/s of qkv vs sdpa.
 
     python benchmarks/bench_hf.py                       # all three
+    python benchmarks/bench_hf.py --only masks          # left-padded mask planning
     python benchmarks/bench_hf.py --only prefill --rounds 3
 """
 
@@ -265,9 +266,41 @@ def _decode_steps(model: Any, args: argparse.Namespace) -> None:
     print(f"    sdpa / qkv step time: {_median_ratio(step, 'sdpa', 'qkv'):.3f}x")
 
 
+def masks(args: argparse.Namespace) -> None:
+    """Planning a left-padded window mask once per forward: qkv.hf's mask function (the padding
+    as ``qkv.padding(lengths, start=)``, planned per row) against planning the same mask with
+    the padding as a key-mask mask_mod evaluated tile by tile (what it did before)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from qkv.hf._translate import _KeyMask  # the evaluated peer: the point of the comparison
+
+    fn = sliding_window_causal_mask_function(args.window)
+    band = qkv.sliding_window(args.window - 1)
+    for n in (2048, args.long):
+        am = torch.ones(2, n, dtype=torch.bool)
+        am[0, :100] = False  # one left-padded row
+
+        def ours(am: torch.Tensor = am, fn: Any = fn, n: int = n) -> None:
+            qkv.hf.mask_function(2, n, n, mask_function=fn, attention_mask=am)
+
+        def evaluated(am: torch.Tensor = am, n: int = n) -> None:
+            qkv.block_mask(qkv.and_masks(band, _KeyMask(am)), 2, None, n, n)
+
+        times: dict[str, list[float]] = {"qkv.hf": [], "evaluated": []}
+        for _ in range(args.rounds):
+            for name, f in (("qkv.hf", ours), ("evaluated", evaluated)):
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        print(f"mask planning, n={n}, window {args.window}, batch 2 with one left-padded row")
+        ms = {k: [t * 1e3 for t in v] for k, v in times.items()}
+        _report("per forward", ms, unit="ms")
+        print(f"    evaluated / qkv.hf: {_median_ratio(times, 'evaluated', 'qkv.hf'):.0f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["prefill", "train", "decode"], action="append")
+    ap.add_argument("--only", choices=["prefill", "train", "decode", "masks"], action="append")
     ap.add_argument("--long", type=int, default=8192)
     ap.add_argument("--short", type=int, default=512)
     ap.add_argument("--window", type=int, default=1024)
@@ -283,7 +316,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"machine: {describe()}; {args.threads} threads")
     for part in args.only or ["prefill", "train", "decode"]:
-        {"prefill": prefill, "train": train, "decode": decode}[part](args)
+        {"prefill": prefill, "train": train, "decode": decode, "masks": masks}[part](args)
 
 
 if __name__ == "__main__":
