@@ -10,10 +10,12 @@ from .base import Backend
 from .blocksparse import BlocksparseBackend
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
+from .triton import TritonBackend
 
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (SdpaBackend(), BlocksparseBackend(), ReferenceBackend())
+    b.name: b for b in (SdpaBackend(), TritonBackend(), BlocksparseBackend(), ReferenceBackend())
 }
 # sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias);
-# blocksparse for everything else (masks, score_mods, lse); the reference as the last resort.
-AUTO_ORDER: list[str] = ["sdpa", "blocksparse", "reference"]
+# triton for masks on CUDA (the fused kernel over the tile plan); blocksparse for everything
+# else (masks on the CPU, score_mods, lse); the reference as the last resort.
+AUTO_ORDER: list[str] = ["sdpa", "triton", "blocksparse", "reference"]

@@ -1,0 +1,136 @@
+"""The Triton backend: one fused GPU kernel (forward and backward) over the block-sparse plan.
+
+It runs the tile plan the CPU engine runs: per query block the key blocks it sees, each full
+(no mask evaluated) or partial. Built-in masks are evaluated inside the kernel from their
+parameters; any other mask (or-combinations, bool tensors, mask_mods) reaches it as bits of
+its partial tiles, evaluated ahead in PyTorch, so user code is never compiled. Built-in score
+mods (ALiBi, softcap, the relative table, with their tensors' gradients) and additive bias
+tensors run inside the kernel; grouped-query attention reads each key/value head once per
+group, with no copies.
+
+On CUDA tensors it needs the ``triton`` package (CUDA builds of torch ship it). On CPU tensors
+it runs only in Triton's interpreter (``TRITON_INTERPRET=1`` before the first call; hundreds of
+times slower, for tests), and ``backend="auto"`` never picks it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from ..._problem import Problem
+from ..base import Backend, Route
+from . import launch
+from .launch import Call, TritonAttention, score_param, tilings
+from .lists import block_mask_at, mask_spec, tile_lists
+
+Tensor = torch.Tensor
+
+__all__ = ["TritonBackend"]
+
+# Largest head dim: the kernels keep a [BM, D] query tile and [BN, D] key and value tiles in
+# registers and shared memory; FlashAttention-2 stops at 256 too.
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonBackend(Backend):
+    """Fused block-sparse attention in Triton (CUDA; the interpreter on the CPU)."""
+
+    name = "triton"
+    materialises_scores = False  # O(n) memory: tiles only
+
+    def rejects(self, p: Problem) -> str | None:
+        if not _have_triton():
+            return "the triton package is not installed (CUDA builds of torch ship it)"
+        if p.device.type == "cpu" and not launch.interpreted():
+            return (
+                "its kernels run on CUDA tensors; on the CPU only in Triton's interpreter "
+                "(set TRITON_INTERPRET=1 before the first call; slow, for tests)"
+            )
+        if p.device.type not in ("cuda", "cpu"):
+            return f"its kernels run on CUDA tensors (these are on {p.device.type})"
+        if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            name = str(p.dtype).replace("torch.", "")
+            return f"it computes float16, bfloat16 and float32 (inputs are {name})"
+        if max(p.D, p.Dv) > MAX_HEAD_DIM:
+            return f"head dims up to {MAX_HEAD_DIM} (got D={p.D}, Dv={p.Dv})"
+        if p.dropout_p > 0:
+            return "it has no dropout (blocksparse and sdpa do)"
+        if p.score.kind == "mod":
+            return (
+                "a Python score_mod cannot run inside the kernel without compiling user code; "
+                "blocksparse evaluates it per tile (exact, no compile)"
+            )
+        if p.score.bias is not None and p.score.bias.requires_grad:
+            return "it does not compute a bias tensor's gradient (blocksparse does)"
+        return None
+
+    def route(self, p: Problem, *, dry_run: bool = False) -> Route:
+        t = tilings(p)
+        spec = mask_spec(p.mask, p.B, p.Lq, p.Lk, p.device)
+        fwd_bm = block_mask_at(p.mask, p.shape, (t.fwd.bq, t.fwd.bk), p.device)
+        notes = []
+        if spec.bits:
+            notes.append(
+                "the mask has no in-kernel formula: its partial tiles are evaluated once in "
+                "PyTorch and read by the kernel as packed bits"
+            )
+        if launch.interpreted():
+            notes.append("TRITON_INTERPRET=1: the kernels run in Triton's interpreter")
+        call = None
+        if not dry_run:
+            bwd_size = (t.bwd.bq, t.bwd.bk)
+            fwd_lists = tile_lists(fwd_bm, p.mask, spec, p.shape, p.device)
+
+            def bwd_lists() -> object:
+                if bwd_size == (t.fwd.bq, t.fwd.bk):
+                    return fwd_lists
+                bm = block_mask_at(p.mask, p.shape, bwd_size, p.device)
+                return tile_lists(bm, p.mask, spec, p.shape, p.device)
+
+            call = Call(p=p, spec=spec, fwd=fwd_lists, bwd_lists=bwd_lists, tiles=t)
+        return Route(
+            forward=(
+                f"triton fused forward, {t.fwd.bq}x{t.fwd.bk} tiles over the visible blocks, "
+                f"mask in the kernel: {spec.text}"
+            ),
+            backward=(
+                f"triton fused backward, {t.bwd.bq}x{t.bwd.bk} tiles: dK/dV per key block over "
+                f"the query blocks that see it, dQ per query block (recomputed from the lse)"
+            ),
+            extra_memory=_extra_memory(p),
+            block=fwd_bm,
+            notes=tuple(notes),
+            detail=call,
+        )
+
+    def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
+        call: Call = route.detail
+        if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
+            out = p.q.new_zeros(p.B, p.Hq, p.Lq, p.Dv)
+            lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), device=p.device)
+            return out, (lse if p.return_lse else None)
+        q, k, v = (_unit_last(t) for t in (p.q, p.k, p.v))
+        param = score_param(p)
+        out, lse = TritonAttention.apply(call, q, k, v, param)
+        return out, (lse if p.return_lse else None)
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """The kernels read the head dim with stride 1."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _extra_memory(p: Problem) -> int:
+    lse = p.B * p.Hq * p.Lq * 4
+    grads = 0
+    if p.requires_grad():  # float32 dq, dk, dv and delta
+        grads = (p.q.numel() + p.k.numel() + p.v.numel()) * 4 + lse
+    return lse + grads
