@@ -162,8 +162,8 @@ def test_named_backends(torch_kernels):
 
 
 def test_auto_order_and_registry():
-    assert planner.AUTO_ORDER == ["sdpa", "blocksparse", "reference"]
-    assert set(planner.BACKENDS) == {"sdpa", "blocksparse", "reference"}
+    assert planner.AUTO_ORDER == ["sdpa", "triton", "blocksparse", "reference"]
+    assert set(planner.BACKENDS) == {"sdpa", "triton", "blocksparse", "reference"}
 
 
 def test_cli_plan_shows_blocksparse(capsys, torch_kernels):

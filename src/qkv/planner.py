@@ -71,6 +71,8 @@ def _auto_skip(name: str, p: Problem) -> str | None:
     """The auto policy: why ``auto`` passes over a backend that could compute ``p`` but
     not well."""
     masked = p.mask.kind not in ("none", "causal")
+    if name == "triton" and p.device.type != "cuda":
+        return "Triton's interpreter runs on the CPU only for tests (hundreds of times slower)"
     if name == "sdpa" and p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
         return (
             "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "

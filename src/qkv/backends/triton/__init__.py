@@ -68,8 +68,6 @@ class TritonBackend(Backend):
                 "a Python score_mod cannot run inside the kernel without compiling user code; "
                 "blocksparse evaluates it per tile (exact, no compile)"
             )
-        if p.score.bias is not None and p.score.bias.requires_grad:
-            return "it does not compute a bias tensor's gradient (blocksparse does)"
         return None
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
@@ -119,7 +117,11 @@ class TritonBackend(Backend):
             return out, (lse if p.return_lse else None)
         q, k, v = (_unit_last(t) for t in (p.q, p.k, p.v))
         param = score_param(p)
-        out, lse = TritonAttention.apply(call, q, k, v, param)
+        tracked = [q, k, v, *([param] if param is not None else [])]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+            out, lse = TritonAttention.apply(call, q, k, v, param)
+        else:
+            out, lse = launch.forward(call, q, k, v, param, out_dtype=q.dtype)
         return out, (lse if p.return_lse else None)
 
 

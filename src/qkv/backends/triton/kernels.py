@@ -22,7 +22,8 @@ backward recomputes the probabilities from the saved lse; dK/dV loop over the qu
 that see a key block (the transposed lists), dQ over the key blocks a query block sees; a
 grouped-query key/value head sums over its group's query heads in one program (no copies,
 no atomics). Learnable score-mod tensors (ALiBi slopes, the relative table) get their
-gradient by atomic adds in the dQ kernel.
+gradient by atomic adds in the dQ kernel, as does a bias tensor (summed over the dimensions
+it broadcasts over).
 
 This file is imported only when the backend runs (``TRITON_INTERPRET=1`` is read by
 ``triton.jit`` at import, which is how the tests run these kernels on a CPU).
@@ -53,16 +54,6 @@ _DYNAMIC = [
     "R",
     "n_blocks",
 ]
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in float32. ``UPCAST`` (the interpreter) multiplies bfloat16 in
-    float32: the interpreter's bfloat16 dot is wrong (numpy has no bfloat16), and products of
-    two bfloat16 values are exact in float32, so the result is what a tensor core computes."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -152,7 +143,10 @@ def _mask(
         rows = tl.arange(0, BM)
         cols = tl.arange(0, BN)
         words = tl.load(
-            BITS + tag.to(tl.int64) * (BM * (BN // 32)) + rows[:, None] * (BN // 32) + cols[None, :] // 32
+            BITS
+            + tag.to(tl.int64) * (BM * (BN // 32))
+            + rows[:, None] * (BN // 32)
+            + cols[None, :] // 32
         )
         ok = ok & (((words >> (cols[None, :] % 32)) & 1) != 0)
     return ok
@@ -219,7 +213,8 @@ def attn_fwd(
     HAS_DOC: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SCORE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MMA: tl.constexpr,
+    PV_F32: tl.constexpr,
 ):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -251,13 +246,51 @@ def attn_fwd(
             mask=(offs_n[None, :] < Lk) & (offs_d[:, None] < D),
             other=0.0,
         )  # [BLOCK_D, BN]
-        s = _dot(q, kt, UPCAST) * scale
+        s = tl.dot(q.to(MMA), kt.to(MMA), input_precision="ieee") * scale
         ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-        s = _score(s, b, h, offs_m, offs_n, ok, BIAS, sbb, sbh, sbm, sbn, SLOPES, TABLE, st0, st1, cap, R, SCORE)
+        s = _score(
+            s,
+            b,
+            h,
+            offs_m,
+            offs_n,
+            ok,
+            BIAS,
+            sbb,
+            sbh,
+            sbm,
+            sbn,
+            SLOPES,
+            TABLE,
+            st0,
+            st1,
+            cap,
+            R,
+            SCORE,
+        )
         if tag >= 0:
             ok = _mask(
-                ok, b, offs_m, offs_n, tag, lo, hi, prefix, START, LIMIT, IDS, BITS, Lq, Lk,
-                HAS_BAND, HAS_PREFIX, HAS_PAD, HAS_DOC, HAS_BITS, BM, BN,
+                ok,
+                b,
+                offs_m,
+                offs_n,
+                tag,
+                lo,
+                hi,
+                prefix,
+                START,
+                LIMIT,
+                IDS,
+                BITS,
+                Lq,
+                Lk,
+                HAS_BAND,
+                HAS_PREFIX,
+                HAS_PAD,
+                HAS_DOC,
+                HAS_BITS,
+                BM,
+                BN,
             )
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -270,7 +303,11 @@ def attn_fwd(
             mask=(offs_n[:, None] < Lk) & (offs_dv[None, :] < DV),
             other=0.0,
         )  # [BN, BLOCK_DV]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        if PV_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype).to(MMA), v.to(MMA), input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -323,17 +360,55 @@ def _probs(
     SCORE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """Recomputed ``(p, raw, ok)`` of one tile in the backward: the probabilities, the scaled
     scores before the score mod (softcap's derivative needs them) and the mask."""
-    raw = _dot(q, kt, UPCAST) * scale
+    raw = tl.dot(q.to(MMA), kt.to(MMA), input_precision="ieee") * scale
     ok = (offs_m[:, None] < Lq) & (offs_n[None, :] < Lk)
-    s = _score(raw, b, h, offs_m, offs_n, ok, BIAS, sbb, sbh, sbm, sbn, SLOPES, TABLE, st0, st1, cap, R, SCORE)
+    s = _score(
+        raw,
+        b,
+        h,
+        offs_m,
+        offs_n,
+        ok,
+        BIAS,
+        sbb,
+        sbh,
+        sbm,
+        sbn,
+        SLOPES,
+        TABLE,
+        st0,
+        st1,
+        cap,
+        R,
+        SCORE,
+    )
     if tag >= 0:
         ok = _mask(
-            ok, b, offs_m, offs_n, tag, lo, hi, prefix, START, LIMIT, IDS, BITS, Lq, Lk,
-            HAS_BAND, HAS_PREFIX, HAS_PAD, HAS_DOC, HAS_BITS, BM, BN,
+            ok,
+            b,
+            offs_m,
+            offs_n,
+            tag,
+            lo,
+            hi,
+            prefix,
+            START,
+            LIMIT,
+            IDS,
+            BITS,
+            Lq,
+            Lk,
+            HAS_BAND,
+            HAS_PREFIX,
+            HAS_PAD,
+            HAS_DOC,
+            HAS_BITS,
+            BM,
+            BN,
         )
     p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
     return p, raw, ok
@@ -413,7 +488,7 @@ def attn_bwd_dkdv(
     HAS_DOC: tl.constexpr,
     HAS_BITS: tl.constexpr,
     SCORE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     kb = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -460,21 +535,62 @@ def attn_bwd_dkdv(
             lse = tl.load(LSE + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=float("inf"))
             lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows that saw no key: p = 0
             delta = tl.load(DELTA + bh.to(tl.int64) * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-            p, raw, ok = _probs(
-                q, kt, b, h, offs_m, offs_n, lse, tag, scale, BIAS, sbb, sbh, sbm, sbn,
-                SLOPES, TABLE, st0, st1, cap, R, lo, hi, prefix, START, LIMIT, IDS, BITS, Lq, Lk,
-                HAS_BAND, HAS_PREFIX, HAS_PAD, HAS_DOC, HAS_BITS, SCORE, BM, BN, UPCAST,
+            p, raw, _ok = _probs(
+                q,
+                kt,
+                b,
+                h,
+                offs_m,
+                offs_n,
+                lse,
+                tag,
+                scale,
+                BIAS,
+                sbb,
+                sbh,
+                sbm,
+                sbn,
+                SLOPES,
+                TABLE,
+                st0,
+                st1,
+                cap,
+                R,
+                lo,
+                hi,
+                prefix,
+                START,
+                LIMIT,
+                IDS,
+                BITS,
+                Lq,
+                Lk,
+                HAS_BAND,
+                HAS_PREFIX,
+                HAS_PAD,
+                HAS_DOC,
+                HAS_BITS,
+                SCORE,
+                BM,
+                BN,
+                MMA,
             )
-            dv += _dot(tl.trans(p.to(do.dtype)), do, UPCAST)
-            dp = _dot(do, vt, UPCAST)  # [BM, BN]
+            dv += tl.dot(tl.trans(p.to(do.dtype)).to(MMA), do.to(MMA), input_precision="ieee")
+            dp = tl.dot(do.to(MMA), vt.to(MMA), input_precision="ieee")  # [BM, BN]
             ds = _through_score(p * (dp - delta[:, None]), raw, cap, SCORE)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)).to(MMA), q.to(MMA), input_precision="ieee")
     dk = dk * scale
     mask_k = offs_n[:, None] < Lk
     dk_ptr = DK + bhk.to(tl.int64) * Lk * D
-    tl.store(dk_ptr + offs_n[:, None] * D + offs_d[None, :], dk, mask=mask_k & (offs_d[None, :] < D))
+    tl.store(
+        dk_ptr + offs_n[:, None] * D + offs_d[None, :], dk, mask=mask_k & (offs_d[None, :] < D)
+    )
     dv_ptr = DV + bhk.to(tl.int64) * Lk * DV_
-    tl.store(dv_ptr + offs_n[:, None] * DV_ + offs_dv[None, :], dv, mask=mask_k & (offs_dv[None, :] < DV_))
+    tl.store(
+        dv_ptr + offs_n[:, None] * DV_ + offs_dv[None, :],
+        dv,
+        mask=mask_k & (offs_dv[None, :] < DV_),
+    )
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -486,8 +602,7 @@ def attn_bwd_dq(
     LSE,
     DELTA,
     DQ,
-    DSLOPES,
-    DTABLE,
+    DPARAM,
     NUM,
     IDX,
     TAG,
@@ -516,6 +631,10 @@ def attn_bwd_dq(
     sbn,
     st0,
     st1,
+    sgb,
+    sgh,
+    sgm,
+    sgn,
     H,
     G,
     Lq,
@@ -543,7 +662,7 @@ def attn_bwd_dq(
     HAS_BITS: tl.constexpr,
     SCORE: tl.constexpr,
     PARAM_GRAD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -589,24 +708,65 @@ def attn_bwd_dq(
             other=0.0,
         )  # [BLOCK_DV, BN]
         p, raw, ok = _probs(
-            q, kt, b, h, offs_m, offs_n, lse, tag, scale, BIAS, sbb, sbh, sbm, sbn,
-            SLOPES, TABLE, st0, st1, cap, R, lo, hi, prefix, START, LIMIT, IDS, BITS, Lq, Lk,
-            HAS_BAND, HAS_PREFIX, HAS_PAD, HAS_DOC, HAS_BITS, SCORE, BM, BN, UPCAST,
+            q,
+            kt,
+            b,
+            h,
+            offs_m,
+            offs_n,
+            lse,
+            tag,
+            scale,
+            BIAS,
+            sbb,
+            sbh,
+            sbm,
+            sbn,
+            SLOPES,
+            TABLE,
+            st0,
+            st1,
+            cap,
+            R,
+            lo,
+            hi,
+            prefix,
+            START,
+            LIMIT,
+            IDS,
+            BITS,
+            Lq,
+            Lk,
+            HAS_BAND,
+            HAS_PREFIX,
+            HAS_PAD,
+            HAS_DOC,
+            HAS_BITS,
+            SCORE,
+            BM,
+            BN,
+            MMA,
         )
-        dp = _dot(do, vt, UPCAST)  # [BM, BN]
+        dp = tl.dot(do.to(MMA), vt.to(MMA), input_precision="ieee")  # [BM, BN]
         dmod = p * (dp - delta[:, None])  # dL / d(modified score)
         if PARAM_GRAD:
+            if SCORE == 1:  # a bias: its gradient is dL/d(score), summed where it broadcasts
+                ptr = DPARAM + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_n[None, :] * sgn
+                tl.atomic_add(ptr, dmod, mask=ok)
             if SCORE == 2:
                 dist = (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
                 dslope += tl.sum(tl.sum(tl.where(ok, dmod * dist, 0.0), 1), 0)
             if SCORE == 4:
                 rel = tl.minimum(tl.maximum(offs_m[:, None] - offs_n[None, :], -R), R) + R
-                tl.atomic_add(DTABLE + rel * st0 + h * st1, dmod, mask=ok)
+                tl.atomic_add(DPARAM + rel * st0 + h * st1, dmod, mask=ok)
         ds = _through_score(dmod, raw, cap, SCORE)
-        dq += _dot(ds.to(kt.dtype), tl.trans(kt), UPCAST)
-    if PARAM_GRAD:
-        if SCORE == 2:
-            tl.atomic_add(DSLOPES + h, dslope)
+        dq += tl.dot(ds.to(kt.dtype).to(MMA), tl.trans(kt).to(MMA), input_precision="ieee")
+    if PARAM_GRAD and SCORE == 2:
+        tl.atomic_add(DPARAM + h, dslope)
     dq = dq * scale
     dq_ptr = DQ + bh.to(tl.int64) * Lq * D
-    tl.store(dq_ptr + offs_m[:, None] * D + offs_d[None, :], dq, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    tl.store(
+        dq_ptr + offs_m[:, None] * D + offs_d[None, :],
+        dq,
+        mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D),
+    )

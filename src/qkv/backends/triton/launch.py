@@ -1,6 +1,7 @@
 """Launching the Triton kernels: tilings, argument packing, and the autograd Function.
 
-Three layers (STYLE.md rule 7): :class:`qkv.backends.triton.TritonBackend` → :class:`TritonAttention`
+Three layers (STYLE.md rule 7): :class:`qkv.backends.triton.TritonBackend` →
+:class:`TritonAttention`
 (this file) → the kernels (``kernels.py``).
 """
 
@@ -53,7 +54,9 @@ def tilings(p: Problem) -> Tilings:
     for Hopper-class parts: 128-row query tiles forward, 64 x 64 backward; head dims above 128
     halve the tiles to fit shared memory. (Untuned: no GPU has run them yet.)"""
     if interpreted():
-        return Tilings(fwd=Tiling(16, 32, 1, 1), bwd=Tiling(16, 32, 1, 1))
+        # The interpreter's cost is per tile operation: long sequences take bigger tiles.
+        t = Tiling(16, 32, 1, 1) if p.Lq * p.Lk <= 1 << 12 else Tiling(128, 128, 1, 1)
+        return Tilings(fwd=t, bwd=t)
     d = max(p.D, p.Dv)
     if d <= 64:
         return Tilings(fwd=Tiling(128, 64, 4, 3), bwd=Tiling(64, 64, 4, 2))
@@ -96,9 +99,9 @@ def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any],
     kind = p.score.kind
     mod: Any = p.score.score_mod
     if kind == "bias":
-        assert p.score.bias is not None
-        bias = p.score.bias
-        sb = [bias.stride(i) if bias.shape[i] > 1 else 0 for i in range(4)]
+        assert param is not None
+        bias = param
+        sb = _broadcast_strides(bias)
     elif kind == "alibi":
         assert param is not None
         slopes = param
@@ -112,11 +115,18 @@ def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any],
     return [bias, slopes, table], [*sb, *st], cap, R
 
 
+def _broadcast_strides(t: Tensor) -> list[int]:
+    """A 4-D tensor's strides, 0 along the dimensions it broadcasts over (size 1)."""
+    return [t.stride(i) if t.shape[i] > 1 else 0 for i in range(4)]
+
+
 def score_param(p: Problem) -> Tensor | None:
-    """The tensor a built-in score mod reads (ALiBi slopes [Hq], the relative table
-    [2R+1, Hq]) on the problem's device as float32 and contiguous, keeping its autograd
-    link, or ``None``."""
+    """The tensor the score reads: an additive bias ``[B|1, Hq|1, Lq|1, Lk|1]`` as given, or
+    a built-in score mod's (ALiBi slopes ``[Hq]``, the relative table ``[2R+1, Hq]``) on the
+    problem's device as float32 and contiguous; autograd links kept. ``None`` otherwise."""
     mod: Any = p.score.score_mod
+    if p.score.kind == "bias":
+        return p.score.bias
     if p.score.kind == "alibi":
         t = mod.slopes
     elif p.score.kind == "relative":
@@ -134,11 +144,23 @@ def _common(p: Problem, spec: MaskSpec, lists: TileLists, tiling: Tiling) -> dic
         "BM": tiling.bq,
         "BN": tiling.bk,
         "SCORE": SCORE_CODES[p.score.kind],
-        "UPCAST": interpreted() and p.dtype == torch.bfloat16,
+        "MMA": _mma_dtype(p.dtype),
         "num_warps": tiling.warps,
         "num_stages": tiling.stages,
         **spec.flags(),
     }
+
+
+def _mma_dtype(dtype: torch.dtype) -> Any:
+    """The dtype matrix products take their operands in: the inputs' own, except bfloat16 in
+    the interpreter, whose bfloat16 dot is wrong (numpy has no bfloat16). Products of two
+    bfloat16 values are exact in float32, so the float32 product is what a tensor core
+    computes."""
+    import triton.language as tl
+
+    if dtype == torch.bfloat16 and interpreted():
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
 
 
 def _lo_hi_prefix(spec: MaskSpec) -> tuple[int, int, int]:
@@ -151,13 +173,23 @@ def _list_strides(lists: TileLists, n: int) -> tuple[int, int]:
     return (hm * n if bm > 1 else 0), (n if hm > 1 else 0)
 
 
-def forward(call: Call, q: Tensor, k: Tensor, v: Tensor, param: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``out [B, Hq, Lq, Dv]`` (q's dtype) and ``lse [B, Hq, Lq]`` float32."""
+def forward(
+    call: Call,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    param: Tensor | None,
+    *,
+    out_dtype: torch.dtype,
+    pv_f32: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``out [B, Hq, Lq, Dv]`` in ``out_dtype`` and ``lse [B, Hq, Lq]`` float32. ``pv_f32``
+    multiplies the probabilities by V in float32 instead of rounding them to V's dtype."""
     from . import kernels
 
     p, spec, lists, t = call.p, call.spec, call.fwd, call.tiles.fwd
     B, Hq, Lq, Lk = p.shape
-    out = torch.empty(B, Hq, Lq, p.Dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, Hq, Lq, p.Dv, dtype=out_dtype, device=q.device)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     nq = lists.kv_num.shape[-1]
     lb, lh = _list_strides(lists, nq)
@@ -175,6 +207,7 @@ def forward(call: Call, q: Tensor, k: Tensor, v: Tensor, param: Tensor | None) -
         Hq, p.groups, Lq, Lk, lists.kv_idx.shape[-1], lb, lh, nq,
         p.scale, lo, hi, prefix, cap, R,
         DV=p.Dv,
+        PV_F32=pv_f32,
         **_common(p, spec, lists, t),
     )  # fmt: skip
     return out, lse
@@ -206,7 +239,9 @@ def backward(
     dq = torch.empty(B, Hq, Lq, p.D, dtype=torch.float32, device=q.device)
     dk = torch.empty(B, p.Hkv, Lk, p.D, dtype=torch.float32, device=q.device)
     dv = torch.empty(B, p.Hkv, Lk, p.Dv, dtype=torch.float32, device=q.device)
-    dparam = torch.zeros_like(param, dtype=torch.float32) if param_grad and param is not None else None
+    dparam = None
+    if param_grad and param is not None:
+        dparam = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     tensors, strides, cap, R = _score_args(p, param)
     lo, hi, prefix = _lo_hi_prefix(spec)
     masks = _mask_args(p, spec, lists)
@@ -232,10 +267,10 @@ def backward(
     lb, lh = _list_strides(lists, nq)
     kernels.attn_bwd_dq[(nq, B * Hq)](
         q, k, v, dout, lse, delta, dq,
-        dparam if (dparam is not None and p.score.kind == "alibi") else dummy,
-        dparam if (dparam is not None and p.score.kind == "relative") else dummy,
+        dparam if dparam is not None else dummy,
         lists.kv_num, lists.kv_idx, lists.kv_tag, *masks, *tensors,
         *qkv_strides, *strides,
+        *(_broadcast_strides(dparam) if dparam is not None and dparam.ndim == 4 else [0] * 4),
         Hq, p.groups, Lq, Lk, lists.kv_idx.shape[-1], lb, lh, nq,
         p.scale, lo, hi, prefix, cap, R,
         DV_=p.Dv,
@@ -249,25 +284,33 @@ class TritonAttention(torch.autograd.Function):
     """Forward and backward of one call on the Triton kernels."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, call: Call, q: Tensor, k: Tensor, v: Tensor, param: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(call, q, k, v, param)
+        # The backward's delta = rowsum(dO * O) needs O before rounding: from bfloat16 O
+        # its error reaches a summed gradient (a relative-position table's) at 3x plain
+        # PyTorch's (measured in the oracle matrix), so the kernel writes float32 and the
+        # rounded copy is returned.
+        # A score tensor's gradient sums dS * (its derivative) over whole rows, where delta's
+        # error from probabilities rounded to bfloat16 no longer averages out (ALiBi slopes:
+        # 4.6x plain PyTorch's error, measured): then P @ V runs in float32 too.
+        pv_f32 = param is not None and param.requires_grad and q.dtype != torch.float32
+        out32, lse = forward(call, q, k, v, param, out_dtype=torch.float32, pv_f32=pv_f32)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, param)
-        return out, lse
+        ctx.save_for_backward(q, k, v, out32, lse, param)
+        return out32.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
-        q, k, v, out, lse, param = ctx.saved_tensors
+        q, k, v, out32, lse, param = ctx.saved_tensors
         if dout is None:
-            dout = torch.zeros_like(out)
+            dout = torch.zeros_like(out32, dtype=q.dtype)
         need_param = bool(ctx.needs_input_grad[4])
-        dq, dk, dv, dparam = backward(ctx.call, q, k, v, out, lse, dout, dlse, param, need_param)
+        dq, dk, dv, dparam = backward(ctx.call, q, k, v, out32, lse, dout, dlse, param, need_param)
         return (
             None,
             dq.to(q.dtype) if ctx.needs_input_grad[1] else None,
             dk.to(k.dtype) if ctx.needs_input_grad[2] else None,
             dv.to(v.dtype) if ctx.needs_input_grad[3] else None,
-            dparam if need_param else None,
+            dparam.to(param.dtype) if need_param and dparam is not None else None,
         )

@@ -69,6 +69,7 @@ def mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> Ma
             words.append(f"kv < {prefix} or causal")
         elif part.kind == "padding" and pad is None:
             limit = part.limit
+            assert limit is not None
             lim = (
                 torch.full((B,), int(limit), dtype=torch.int32)
                 if isinstance(limit, int)
@@ -125,7 +126,7 @@ def block_mask_at(
             if got is None:
                 got = _refined(given, block_size)
                 given.schedules[key] = got
-            return got  # type: ignore[no-any-return]
+            return got
     return _planned(m, shape, block_size, device)
 
 
@@ -178,7 +179,11 @@ def _refined(given: BlockMask, block_size: tuple[int, int]) -> BlockMask:
 
 
 def tile_lists(
-    bm: BlockMask, m: MaskKind, spec: MaskSpec, shape: tuple[int, int, int, int], device: torch.device
+    bm: BlockMask,
+    m: MaskKind,
+    spec: MaskSpec,
+    shape: tuple[int, int, int, int],
+    device: torch.device,
 ) -> TileLists:
     """The kernel's lists for block mask ``bm`` (cached on it, per device)."""
     key = ("triton-lists", bm.block_size, str(device))
@@ -186,7 +191,7 @@ def tile_lists(
     if got is None:
         got = _lists(bm, m, spec, shape, device)
         bm.schedules[key] = got
-    return got  # type: ignore[no-any-return]
+    return got
 
 
 def _sorted_visible(vis: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,7 +203,11 @@ def _sorted_visible(vis: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _lists(
-    bm: BlockMask, m: MaskKind, spec: MaskSpec, shape: tuple[int, int, int, int], device: torch.device
+    bm: BlockMask,
+    m: MaskKind,
+    spec: MaskSpec,
+    shape: tuple[int, int, int, int],
+    device: torch.device,
 ) -> TileLists:
     states = bm.states.cpu()
     bq, bk = bm.block_size
@@ -257,8 +266,8 @@ def _bits(
         t = w.shape[0]
         b = w[:, 0].view(t, 1, 1, 1)
         h = w[:, 1].view(t, 1, 1, 1)
-        q = (w[:, 2].view(t, 1, 1, 1) * bq + rows.view(1, 1, bq, 1))  # [T, 1, bq, 1]
-        k = (w[:, 3].view(t, 1, 1, 1) * bk + cols.view(1, 1, 1, bk))  # [T, 1, 1, bk]
+        q = w[:, 2].view(t, 1, 1, 1) * bq + rows.view(1, 1, bq, 1)  # [T, 1, bq, 1]
+        k = w[:, 3].view(t, 1, 1, 1) * bk + cols.view(1, 1, 1, bk)  # [T, 1, 1, bk]
         inside = (q < Lq) & (k < Lk)
         got = m.mask_mod(b, h, q.clamp(max=Lq - 1), k.clamp(max=Lk - 1))
         allowed = check_mask_result(got, m.mask_mod, (t, 1, bq, bk))
