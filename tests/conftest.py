@@ -53,4 +53,10 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda(fn: Any) -> Any:
+    """A test that needs a CUDA device: part of the CUDA suite (``pytest -m cuda``, what
+    ``benchmarks/gpu_check.sh`` runs) and skipped cleanly without one."""
+    return pytest.mark.cuda(_no_cuda(fn))
