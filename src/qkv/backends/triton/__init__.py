@@ -71,8 +71,8 @@ class TritonBackend(Backend):
         return None
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
-        t = tilings(p)
         spec = mask_spec(p.mask, p.B, p.Lq, p.Lk, p.device)
+        t = tilings(p, spec)
         fwd_bm = block_mask_at(p.mask, p.shape, (t.fwd.bq, t.fwd.bk), p.device)
         notes = []
         if spec.bits:
@@ -84,24 +84,24 @@ class TritonBackend(Backend):
             notes.append("TRITON_INTERPRET=1: the kernels run in Triton's interpreter")
         call = None
         if not dry_run:
-            bwd_size = (t.bwd.bq, t.bwd.bk)
-            fwd_lists = tile_lists(fwd_bm, p.mask, spec, p.shape, p.device)
+            built = {(t.fwd.bq, t.fwd.bk): fwd_bm}
 
-            def bwd_lists() -> object:
-                if bwd_size == (t.fwd.bq, t.fwd.bk):
-                    return fwd_lists
-                bm = block_mask_at(p.mask, p.shape, bwd_size, p.device)
+            @functools.cache
+            def lists_at(size: tuple[int, int]) -> object:
+                bm = built.get(size) or block_mask_at(p.mask, p.shape, size, p.device)
                 return tile_lists(bm, p.mask, spec, p.shape, p.device)
 
-            call = Call(p=p, spec=spec, fwd=fwd_lists, bwd_lists=bwd_lists, tiles=t)
+            lists_at((t.fwd.bq, t.fwd.bk))  # the forward's now: planning errors surface here
+            call = Call(p=p, spec=spec, lists=lists_at, tiles=t)
         return Route(
             forward=(
                 f"triton fused forward, {t.fwd.bq}x{t.fwd.bk} tiles over the visible blocks, "
                 f"mask in the kernel: {spec.text}"
             ),
             backward=(
-                f"triton fused backward, {t.bwd.bq}x{t.bwd.bk} tiles: dK/dV per key block over "
-                f"the query blocks that see it, dQ per query block (recomputed from the lse)"
+                f"triton fused backward (recomputed from the lse): dK/dV per {t.dkdv.bk}-key "
+                f"block over the {t.dkdv.bq}-row query blocks that see it, dQ per "
+                f"{t.dq.bq}-row query block over {t.dq.bk}-key blocks"
             ),
             extra_memory=_extra_memory(p),
             block=fwd_bm,

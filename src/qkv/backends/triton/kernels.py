@@ -692,7 +692,7 @@ def attn_bwd_dq(
     row = b * list_b + h * list_h + qb
     n = tl.load(NUM + row)
     dq = tl.zeros([BM, BLOCK_D], tl.float32)
-    dslope = 0.0
+    dslope = tl.sum(tl.zeros([BM], tl.float32), 0)  # a float32 scalar carried by the loop
     for j in range(0, n):
         kb = tl.load(IDX + row.to(tl.int64) * W + j)
         tag = tl.load(TAG + row.to(tl.int64) * W + j)

@@ -34,7 +34,11 @@ class Tiling:
 @dataclass(frozen=True)
 class Tilings:
     fwd: Tiling
-    bwd: Tiling  # dK/dV and dQ share one tiling, so they share one set of lists
+    dkdv: Tiling  # the dK/dV kernel: bq query rows a step, bk keys a program
+    dq: Tiling  # the dQ kernel: bq query rows a program, bk keys a step
+
+    def sizes(self) -> list[tuple[int, int]]:
+        return list(dict.fromkeys((t.bq, t.bk) for t in (self.fwd, self.dkdv, self.dq)))
 
 
 def interpreted() -> bool:
@@ -48,21 +52,38 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def tilings(p: Problem) -> Tilings:
-    """The tiles for a problem. In the interpreter small tiles keep tests quick and still put
-    several blocks in short sequences. On a GPU, FlashAttention-2's (Triton tutorial) choices
-    for Hopper-class parts: 128-row query tiles forward, 64 x 64 backward; head dims above 128
-    halve the tiles to fit shared memory. (Untuned: no GPU has run them yet.)"""
+def tilings(p: Problem, spec: MaskSpec) -> Tilings:
+    """The tiles for a problem: :func:`gpu_tilings`, or in the interpreter (whose cost is per
+    tile operation) small tiles that put several blocks in short test sequences and large
+    ones for long sequences."""
     if interpreted():
-        # The interpreter's cost is per tile operation: long sequences take bigger tiles.
         t = Tiling(16, 32, 1, 1) if p.Lq * p.Lk <= 1 << 12 else Tiling(128, 128, 1, 1)
-        return Tilings(fwd=t, bwd=t)
-    d = max(p.D, p.Dv)
-    if d <= 64:
-        return Tilings(fwd=Tiling(128, 64, 4, 3), bwd=Tiling(64, 64, 4, 2))
+        return Tilings(fwd=t, dkdv=t, dq=t)
+    return gpu_tilings(max(p.D, p.Dv), p.dtype, heavy(p, spec))
+
+
+def gpu_tilings(d: int, dtype: torch.dtype = torch.bfloat16, heavy: bool = False) -> Tilings:
+    """Tiles by head dim ``d`` and dtype for sm_90: the largest of FlashAttention-2's and
+    Triton's tutorial choices that ptxas compiles with wgmma and without register spills,
+    checked without a GPU (``python -m qkv.backends.triton.ahead``; the table is in
+    benchmarks/RESULTS.md). ``heavy`` (a score mod, or mask terms beyond a band or prefix)
+    takes 32-key forward steps: with 64 the extra registers spill. float32 has no tensor-core
+    path here (exact float32 products, ``input_precision="ieee"``): small tiles. Not yet timed
+    on a GPU."""
+    if dtype == torch.float32:
+        return Tilings(fwd=Tiling(32, 32, 4, 2), dkdv=Tiling(16, 32, 4, 1), dq=Tiling(32, 32, 4, 1))
     if d <= 128:
-        return Tilings(fwd=Tiling(128, 64, 8, 3), bwd=Tiling(64, 64, 8, 2))
-    return Tilings(fwd=Tiling(64, 32, 4, 2), bwd=Tiling(32, 32, 4, 1))
+        fwd = Tiling(128, 32, 8, 3) if heavy else Tiling(128, 64, 8, 3)
+        if d <= 64:
+            return Tilings(fwd=fwd, dkdv=Tiling(32, 128, 8, 2), dq=Tiling(128, 64, 8, 2))
+        dq = Tiling(128, 32, 8, 2) if heavy else Tiling(128, 64, 8, 3)
+        return Tilings(fwd=fwd, dkdv=Tiling(32, 64, 8, 2), dq=dq)
+    return Tilings(fwd=Tiling(64, 32, 8, 2), dkdv=Tiling(32, 32, 8, 1), dq=Tiling(64, 32, 8, 1))
+
+
+def heavy(p: Problem, spec: MaskSpec) -> bool:
+    """A score mod, or mask terms beyond a band and a prefix (more live registers a tile)."""
+    return p.score.kind != "none" or spec.pad is not None or spec.ids is not None or spec.bits
 
 
 def _pow2(n: int) -> int:
@@ -75,8 +96,7 @@ class Call:
 
     p: Problem
     spec: MaskSpec
-    fwd: TileLists
-    bwd_lists: Any  # () -> TileLists: the backward's lists, built when a backward runs
+    lists: Any  # (bq, bk) -> TileLists at that tiling (built on first use, then cached)
     tiles: Tilings
 
 
@@ -136,7 +156,8 @@ def score_param(p: Problem) -> Tensor | None:
     return t.to(device=p.device, dtype=torch.float32).contiguous()
 
 
-def _common(p: Problem, spec: MaskSpec, lists: TileLists, tiling: Tiling) -> dict[str, Any]:
+def constexprs(p: Problem, spec: MaskSpec, tiling: Tiling, *, interp: bool) -> dict[str, Any]:
+    """The compile-time arguments every kernel takes (and the launch's warps and stages)."""
     return {
         "D": p.D,
         "BLOCK_D": _pow2(p.D),
@@ -144,21 +165,21 @@ def _common(p: Problem, spec: MaskSpec, lists: TileLists, tiling: Tiling) -> dic
         "BM": tiling.bq,
         "BN": tiling.bk,
         "SCORE": SCORE_CODES[p.score.kind],
-        "MMA": _mma_dtype(p.dtype),
+        "MMA": _mma_dtype(p.dtype, interp),
         "num_warps": tiling.warps,
         "num_stages": tiling.stages,
         **spec.flags(),
     }
 
 
-def _mma_dtype(dtype: torch.dtype) -> Any:
+def _mma_dtype(dtype: torch.dtype, interp: bool) -> Any:
     """The dtype matrix products take their operands in: the inputs' own, except bfloat16 in
     the interpreter, whose bfloat16 dot is wrong (numpy has no bfloat16). Products of two
     bfloat16 values are exact in float32, so the float32 product is what a tensor core
     computes."""
     import triton.language as tl
 
-    if dtype == torch.bfloat16 and interpreted():
+    if dtype == torch.bfloat16 and interp:
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
 
@@ -187,7 +208,8 @@ def forward(
     multiplies the probabilities by V in float32 instead of rounding them to V's dtype."""
     from . import kernels
 
-    p, spec, lists, t = call.p, call.spec, call.fwd, call.tiles.fwd
+    p, spec, t = call.p, call.spec, call.tiles.fwd
+    lists: TileLists = call.lists((t.bq, t.bk))
     B, Hq, Lq, Lk = p.shape
     out = torch.empty(B, Hq, Lq, p.Dv, dtype=out_dtype, device=q.device)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
@@ -208,7 +230,7 @@ def forward(
         p.scale, lo, hi, prefix, cap, R,
         DV=p.Dv,
         PV_F32=pv_f32,
-        **_common(p, spec, lists, t),
+        **constexprs(p, spec, t, interp=interpreted()),
     )  # fmt: skip
     return out, lse
 
@@ -228,8 +250,9 @@ def backward(
     """``(dq, dk, dv, dparam)``, float32 (the caller casts)."""
     from . import kernels
 
-    p, spec, t = call.p, call.spec, call.tiles.bwd
-    lists: TileLists = call.bwd_lists()
+    p, spec, tiles = call.p, call.spec, call.tiles
+    by_key: TileLists = call.lists((tiles.dkdv.bq, tiles.dkdv.bk))  # its q lists
+    by_query: TileLists = call.lists((tiles.dq.bq, tiles.dq.bk))  # its kv lists
     B, Hq, Lq, Lk = p.shape
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # [B, Hq, Lq]
@@ -244,38 +267,37 @@ def backward(
         dparam = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     tensors, strides, cap, R = _score_args(p, param)
     lo, hi, prefix = _lo_hi_prefix(spec)
-    masks = _mask_args(p, spec, lists)
-    common = _common(p, spec, lists, t)
-    nq, nk = lists.kv_num.shape[-1], lists.q_num.shape[-1]
+    interp = interpreted()
+    nq, nk = by_query.kv_num.shape[-1], by_key.q_num.shape[-1]
     qkv_strides = [
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
     ]  # fmt: skip
-    lb, lh = _list_strides(lists, nk)
+    lb, lh = _list_strides(by_key, nk)
     kernels.attn_bwd_dkdv[(nk, B * p.Hkv)](
         q, k, v, dout, lse, delta, dk, dv,
-        lists.q_num, lists.q_idx, lists.q_tag, *masks, *tensors,
+        by_key.q_num, by_key.q_idx, by_key.q_tag, *_mask_args(p, spec, by_key), *tensors,
         *qkv_strides, *strides,
-        Hq, p.Hkv, p.groups, Lq, Lk, lists.q_idx.shape[-1], lb, lh, nk,
+        Hq, p.Hkv, p.groups, Lq, Lk, by_key.q_idx.shape[-1], lb, lh, nk,
         p.scale, lo, hi, prefix, cap, R,
         DV_=p.Dv,
-        **common,
+        **constexprs(p, spec, tiles.dkdv, interp=interp),
     )  # fmt: skip
     dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
-    lb, lh = _list_strides(lists, nq)
+    lb, lh = _list_strides(by_query, nq)
     kernels.attn_bwd_dq[(nq, B * Hq)](
         q, k, v, dout, lse, delta, dq,
         dparam if dparam is not None else dummy,
-        lists.kv_num, lists.kv_idx, lists.kv_tag, *masks, *tensors,
-        *qkv_strides, *strides,
+        by_query.kv_num, by_query.kv_idx, by_query.kv_tag, *_mask_args(p, spec, by_query),
+        *tensors, *qkv_strides, *strides,
         *(_broadcast_strides(dparam) if dparam is not None and dparam.ndim == 4 else [0] * 4),
-        Hq, p.groups, Lq, Lk, lists.kv_idx.shape[-1], lb, lh, nq,
+        Hq, p.groups, Lq, Lk, by_query.kv_idx.shape[-1], lb, lh, nq,
         p.scale, lo, hi, prefix, cap, R,
         DV_=p.Dv,
         PARAM_GRAD=dparam is not None,
-        **common,
+        **constexprs(p, spec, tiles.dq, interp=interp),
     )  # fmt: skip
     return dq, dk, dv, dparam
 
