@@ -172,3 +172,58 @@ def test_cli_plan_shows_blocksparse(capsys, torch_kernels):
     assert main(["plan", "--q-len", "16384", "--mask", "window:256"]) == 0
     out = capsys.readouterr().out
     assert "blocksparse" in out and "tiles" in out and "batched along the band" in out
+
+
+# ------------------------------------------- repeat calls without a mask (qkv._plain)
+
+
+def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
+    """A second call of one signature (no mask, no score_mod) skips the door and the
+    planner, and computes the same as the first and the oracle; anything that changes the
+    signature takes the full path again."""
+    from qkv import _plain, functional
+
+    _plain._ROUTES.clear()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 9, 1, 64, generator=gen)
+    k = torch.randn(1, 3, 40, 64, generator=gen)
+    v = torch.randn(1, 3, 40, 64, generator=gen)
+    calls = []
+    real = functional.validate
+    monkeypatch.setattr(functional, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    first = qkv.attention(q, k, v)
+    second = qkv.attention(q, k, v)
+    assert len(calls) == 1, "the second call of the signature validated again"
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    ref = qkv.attention(q.double(), k.double(), v.double(), backend="reference")
+    torch.testing.assert_close(second.double(), ref, atol=1e-6, rtol=1e-5)
+    qkv.attention(q, k[:, :, :39], v[:, :, :39])  # another cache length: a new signature
+    qkv.attention(q, k, v, scale=0.5)
+    qg = q.clone().requires_grad_()
+    out = qkv.attention(qg, k, v)
+    out.sum().backward()  # autograd flags are part of the signature
+    assert qg.grad is not None and len(calls) == 5  # + the reference's own call
+    # a bad call never reaches the cache: the full door refuses it
+    with pytest.raises(ValueError, match="q heads must be a multiple"):
+        qkv.attention(torch.randn(1, 8, 1, 64), k, v)
+    # routes that hold per-call work (lse from blocksparse) are not kept
+    before = len(_plain._ROUTES)
+    qkv.attention(q, k, v, return_lse=True)
+    assert len(_plain._ROUTES) == before
+
+
+def test_repeat_calls_follow_the_dense_limit():
+    from qkv import _plain
+
+    _plain._ROUTES.clear()
+    q = k = v = torch.randn(1, 2, 64, 16)
+    qkv.attention(q, k, v, dropout_p=0.0)
+    ref = qkv.attention(q, k, v, backend="reference")
+    old = qkv.set_dense_limit(0)
+    try:
+        assert qkv.plan(q, k, v).backend == "blocksparse"  # SDPA's lse buffer is over 0 B
+        kept = len(_plain._ROUTES)
+        torch.testing.assert_close(qkv.attention(q, k, v), ref)
+        assert len(_plain._ROUTES) == kept  # the limit is part of the signature
+    finally:
+        qkv.set_dense_limit(old)

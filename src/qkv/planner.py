@@ -41,6 +41,11 @@ def set_dense_limit(nbytes: int) -> int:
     return old
 
 
+def dense_limit() -> int:
+    """The current dense-memory limit in bytes (see :func:`set_dense_limit`)."""
+    return _limit["bytes"]
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
