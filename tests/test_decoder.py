@@ -84,10 +84,10 @@ def test_logits_match_eager(model, hf, which: str) -> None:
 
 @pytest.mark.parametrize("which", ["short", "chat"])
 def test_decode_steps_on_the_kernel_match_eager(model, hf, which: str) -> None:
-    """Decoding's products have one row (a prompt of up to 8 tokens: up to 8), which qkv's
-    compiled kernel computes from the file's Q4_1/Q8_0 blocks (where a compiler built it):
-    the logits of a token-by-token pass over the KV cache, and of an 8-token prompt, within
-    5e-4 of eager's on the whole sequence."""
+    """Decoding's products have one row (a short prompt's a few), which qkv's compiled
+    kernel computes from the file's Q4_1/Q8_0 blocks (where a compiler built it): the
+    logits of a token-by-token pass over the KV cache, and of an 8-token prompt, within 5e-4
+    of eager's on the whole sequence."""
     if shutil.which("c++") is not None:
         assert model.linear_path.kernel is not None, model.linear_path
     text = TORTURE[0] if which == "short" else model.chat_prompt(CHAT)

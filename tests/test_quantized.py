@@ -52,7 +52,7 @@ def _blocks(fmt: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 # (out_features, in_features): a single block, out_features that no SIMD width divides, the
 # model's shapes (576 and 1536 inputs), in_features of an odd number of blocks
 SHAPES = [(1, 32), (7, 96), (33, 544), (100, 576), (61, 1536), (5, 32 * 37)]
-ROWS = [1, 2, 3, 5, 8]  # the kernel takes rows four at a time: 5 and 8 cross that
+ROWS = [1, 2, 3, 5, 8, quantized.MAX_ROWS]  # the kernel takes rows four at a time
 
 
 @needs_compiler
@@ -61,7 +61,7 @@ ROWS = [1, 2, 3, 5, 8]  # the kernel takes rows four at a time: 5 and 8 cross th
 def test_kernel_matches_the_oracle(fmt: str, n: int, k: int) -> None:
     """x @ W.T from the blocks is float32 F.linear on the dequantised W to float32 rounding:
     its error against the float64 product is within 2x of F.linear's own (plus a hair for the
-    cases where F.linear's is zero), for 1 to 8 rows."""
+    cases where F.linear's is zero), for 1 to MAX_ROWS rows."""
     assert quantized.kernel() is not None, quantized.LIBRARY.disabled()
     seed = zlib.crc32(repr((fmt, n, k)).encode())
     blocks, w = _blocks(fmt, n, k, seed)
@@ -115,15 +115,19 @@ def test_which_inputs_take_the_kernel(monkeypatch) -> None:
             return ops.linear(x, *args)
 
     monkeypatch.setattr(quantized, "kernel", lambda: Spy())
-    x = torch.randn(2, 4, 64)  # 8 rows
+    most = quantized.MAX_ROWS
+    x = torch.randn(2, most // 2, 64)  # [2, L, in]: MAX_ROWS rows
     with torch.no_grad():
         out = layer(x)
-        assert calls == [8] and out.shape == (2, 4, 24)
-        _assert_float32_linear(out.view(8, 24), x.view(8, 64), w)
-        layer(torch.randn(1, quantized.MAX_ROWS + 1, 64))
-    assert calls == [8]  # 9 rows: F.linear
+        assert calls == [most] and out.shape == (2, most // 2, 24)
+        _assert_float32_linear(out.view(most, 24), x.view(most, 64), w)
+        layer(torch.randn(1, most + 1, 64))
+        layer(torch.randn(1, 64))  # one row: the kernel
+    assert calls == [most, 1]  # MAX_ROWS + 1 rows went to F.linear
     y = layer(torch.randn(1, 64))  # grad mode and a weight that wants a gradient
-    assert calls == [8] and y.requires_grad
+    assert calls == [most, 1] and y.requires_grad
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        layer(torch.randn(1, 64).double())  # not float32: F.linear, which refuses the mix
     with pytest.raises(ValueError, match="do not hold"):
         quantized.QuantizedLinear(nn.Parameter(w), blocks[:, :-1], "Q4_1")
 

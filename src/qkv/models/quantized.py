@@ -34,9 +34,12 @@ FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 BLOCK = 32  # weights per block (the format's)
 
 # Inputs of up to this many rows take the kernel; more rows take F.linear on the float32
-# weights (a GEMM reuses each weight for every row, where the kernel is a GEMV per 4 rows).
-# Measured on a 2-core AVX-512 VM, benchmarks/RESULTS.md (issue 11).
-MAX_ROWS = 8
+# weights (a GEMM reuses each weight for every row, where the kernel reads the blocks once
+# per 4 rows). SmolLM2's forward over the KV cache on a 2-core AVX-512 VM, kernel vs float32
+# (issue 11): 1 row 16 vs 52 ms, 8 rows 34 vs 71, 16 rows 56 vs 84, 32 rows 98-100 vs 115;
+# the float32 GEMM wins beyond ~40 rows, and a 1024-token prefill is at parity with the peer
+# only on float32 weights (dequantising the blocks on the fly: 1.76-1.82 s vs 1.71-1.72 s).
+MAX_ROWS = 32
 
 
 def _fake_linear(x: Tensor, blocks: Tensor, qtype: int, k: int) -> Tensor:
