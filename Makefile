@@ -52,8 +52,8 @@ browser:
 # The oracle matrices again as a CPU without AVX-512 runs them, on a machine that has it
 # (issue 9: a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
 # AVX2; MKL's and oneDNN's GEMMs at AVX2 (oneMKL honours its variable on Intel CPUs only);
-# qkv's band kernel built for AVX2 (blocksparse/native.py names its cache folder by torch's
-# capability, so the two builds sit side by side). Elsewhere the normal run above is already
+# qkv's compiled kernels built for AVX2 (qkv/native.py names its cache folder by torch's
+# capability, so the builds sit side by side). Elsewhere the normal run above is already
 # the AVX2 (or plain) one. Left out of the rerun (a third of its time): the
 # matrix's "reference" backend (the plain formula the tolerance is measured against) and
 # "auto" (it only picks among the backends the matrix runs anyway), torch.compile, and
@@ -61,9 +61,14 @@ browser:
 AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 ORACLE_TESTS = tests/test_backends.py tests/test_blocksparse_oracle.py \
   tests/test_blocksparse_gradients.py tests/test_blocksparse_dropout.py tests/test_native.py \
-  tests/test_inspect.py tests/test_modules_torch.py tests/test_modules.py tests/test_precision.py
+  tests/test_inspect.py tests/test_modules_torch.py tests/test_modules.py tests/test_precision.py \
+  tests/test_quantized.py
 ORACLE_RERUN = -k 'not (test_backend_matches_oracle and (reference or auto or triton)) \
-  and not test_torch_compile_cpu'
+  and not test_torch_compile_cpu and not test_the_decoder_falls_back'
+# qkv's kernel for GGUF blocks (models/kernels/quant.cpp) has a portable variant too, built
+# when torch dispatches to no vector ISA: its oracle tests once more as such a CPU runs them.
+PORTABLE_ENV = ATEN_CPU_CAPABILITY=default
+PORTABLE_TESTS = tests/test_quantized.py -k 'not test_the_decoder_falls_back'
 
 unit: $(BIN)/.installed-test browser
 	$(BIN)/python -m pytest
@@ -71,6 +76,8 @@ unit: $(BIN)/.installed-test browser
 	  echo "the oracle matrices again, as a CPU without AVX-512: $(AVX2_ENV)"; \
 	  $(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(ORACLE_RERUN) $(ORACLE_TESTS); \
 	fi
+	@echo "the GGUF block kernel's oracle tests again, portable build: $(PORTABLE_ENV)"
+	$(PORTABLE_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
 
 test: lint typecheck unit
 

@@ -115,6 +115,7 @@ def decode(args: argparse.Namespace) -> None:
           f"{statistics.median(qkv_decode):.1f}), transformers sdpa "
           f"{statistics.median(peer_rate):.1f} tok/s")  # fmt: skip
     print(f"    qkv / sdpa tokens/s: {_median_ratio(qkv_rate, peer_rate):.2f}x")
+    print(f"    qkv's linear layers: {model.linear_path}")
 
 
 def prefill(args: argparse.Namespace) -> None:

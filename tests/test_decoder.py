@@ -3,6 +3,8 @@ token ids, logits, greedy generation and attention maps."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -78,6 +80,27 @@ def test_logits_match_eager(model, hf, which: str) -> None:
     diff = (ours - theirs).abs().max().item()
     print(f"{which}: {ids.shape[1]} tokens, logits max abs diff {diff:.2e}")
     assert diff <= 5e-4
+
+
+@pytest.mark.parametrize("which", ["short", "chat"])
+def test_decode_steps_on_the_kernel_match_eager(model, hf, which: str) -> None:
+    """Decoding's products have one row (a short prompt's a few), which qkv's compiled
+    kernel computes from the file's Q4_1/Q8_0 blocks (where a compiler built it): the
+    logits of a token-by-token pass over the KV cache, and of an 8-token prompt, within 5e-4
+    of eager's on the whole sequence."""
+    if shutil.which("c++") is not None:
+        assert model.linear_path.kernel is not None, model.linear_path
+    text = TORTURE[0] if which == "short" else model.chat_prompt(CHAT)
+    ids = model.tokenize(text).input_ids
+    caches = model.decoder.new_caches(ids.shape[1])
+    with torch.inference_mode():
+        steps = [model(ids[:, i : i + 1], caches=caches).logits for i in range(ids.shape[1])]
+        short = model(ids[:, :8]).logits  # [1, 8, vocab]
+        theirs = hf[0](ids).logits
+    diff = (torch.cat(steps, dim=1) - theirs).abs().max().item()
+    print(f"{which}: {ids.shape[1]} decode steps, logits max abs diff {diff:.2e}")
+    assert diff <= 5e-4
+    assert (short - theirs[:, :8]).abs().max().item() <= 5e-4
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""qkv's compiled CPU band kernel (``src/qkv/backends/csrc/band_forward.cpp``) against the
+"""qkv's compiled CPU band kernel (``src/qkv/backends/blocksparse/kernels/band.cpp``) against the
 oracle, and the engine's fallback when it cannot be built.
 
 The kernel is built on first use (~15-30 s once per machine, cached). Where a C++ compiler
@@ -141,12 +141,12 @@ def test_qkv_native_0_turns_it_off(monkeypatch):
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog):
     """A machine whose build fails (no compiler, no headers) still gets exact results from
     torch's kernel, one logged line, and the reason from the planner."""
-    monkeypatch.setattr(_native, "_state", {})
+    monkeypatch.setattr(_native.LIBRARY, "_state", {})
 
     def broken():
         raise RuntimeError("c++: command not found\nmore detail")
 
-    monkeypatch.setattr(_native, "_build", broken)
+    monkeypatch.setattr(_native.LIBRARY, "_build", broken)
     q, k, v = _qkv(1, 2, 2, 300, 300, 16, 16, seed=9)
     mask = qkv.sliding_window(40)
     with caplog.at_level(logging.WARNING, logger="qkv"):

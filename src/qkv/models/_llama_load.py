@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from ._chat import ChatTemplate
+from ._gguf import GGUFFile
 from ._llama_config import LlamaConfig, config_from_gguf, config_from_hf
 from .decoder import TextDecoder
+from .quantized import LinearPath
 
 __all__ = ["load_gguf", "load_hf_llama"]
 
@@ -49,7 +51,23 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> TextDecoder:
     # init is skipped, see _skeleton); the state dict is checked against them.
     shell = _skeleton(cfg, tokenizer, template, eos_ids, path)
     state = gguf_state_dict(g, cfg, _expected(shell))
-    return _fill(shell, state, dtype)
+    model = _fill(shell, state, dtype)
+    model.linear_path = _gguf_linear_path(model, g, dtype)
+    return model
+
+
+def _gguf_linear_path(model: TextDecoder, g: GGUFFile, dtype: torch.dtype) -> LinearPath:
+    """Keep the file's quantised blocks beside the float32 weights and give the few-row
+    products (decoding) to the compiled kernel, when it can run (issue 11)."""
+    from . import quantized
+    from ._llama_weights import gguf_blocks
+
+    if dtype != torch.float32:
+        return LinearPath(None, (), f"the kernel computes in float32; the weights are {dtype}")
+    if quantized.kernel() is None:
+        return LinearPath(None, (), str(quantized.LIBRARY.disabled()))
+    blocks = gguf_blocks(g, model.config, _expected(model), tuple(quantized.FORMATS))
+    return quantized.use_blocks(model.decoder, blocks)
 
 
 def load_hf_llama(folder: Path, *, dtype: torch.dtype) -> TextDecoder:

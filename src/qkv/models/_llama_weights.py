@@ -31,7 +31,7 @@ from ._llama_config import LlamaConfig
 
 Tensor = torch.Tensor
 
-__all__ = ["gguf_state_dict", "hf_state_dict", "unpermute_qk"]
+__all__ = ["gguf_blocks", "gguf_state_dict", "hf_state_dict", "unpermute_qk"]
 
 _GGUF_LAYER = {
     "attn_norm": "attn_norm",
@@ -111,6 +111,38 @@ def gguf_state_dict(
     """The qkv ``state_dict`` (float32) of a Llama GGUF file; ``expected`` maps each qkv
     parameter name to its shape (``lm_head.weight`` only when the head is not tied)."""
     source = gguf.path.name
+    names, unknown = _gguf_names(gguf, expected)
+    raw = gguf.tensors_f32(list(names))
+    state: dict[str, Tensor] = {}
+    for gname, t in raw.items():
+        name = names[gname]
+        t = _unpermuted(name, t, config)
+        _shape_ok(name, t, expected, source)
+        state[name] = t
+    _check_complete(state, expected, unknown, source)
+    return state
+
+
+def gguf_blocks(
+    gguf: GGUFFile, config: LlamaConfig, expected: dict[str, torch.Size], formats: tuple[str, ...]
+) -> dict[str, tuple[str, Tensor]]:
+    """The quantised weights of a Llama GGUF file as stored: qkv parameter name → (format,
+    uint8 ``[rows, bytes per row]``), for the tensors stored in one of ``formats``, q/k rows
+    unpermuted as :func:`gguf_state_dict` does (a row of blocks is a row of weights)."""
+    names, _ = _gguf_names(gguf, expected)
+    out: dict[str, tuple[str, Tensor]] = {}
+    for gname, name in names.items():
+        fmt = gguf.tensors[gname].type_name
+        if fmt in formats and len(expected[name]) == 2:
+            rows = torch.from_numpy(gguf.raw(gname).copy())  # out of the read-only map
+            out[name] = (fmt, _unpermuted(name, rows, config).contiguous())
+    return out
+
+
+def _gguf_names(
+    gguf: GGUFFile, expected: dict[str, torch.Size]
+) -> tuple[dict[str, str], list[str]]:
+    """GGUF tensor name → qkv parameter name, and the GGUF names that map to none."""
     names: dict[str, str] = {}
     unknown: list[str] = []
     for gname in gguf.tensors:
@@ -119,18 +151,15 @@ def gguf_state_dict(
             unknown.append(gname)
         else:
             names[gname] = name
-    raw = gguf.tensors_f32(list(names))
-    state: dict[str, Tensor] = {}
-    for gname, t in raw.items():
-        name = names[gname]
-        if name.endswith("q_proj.weight"):
-            t = unpermute_qk(t, config.n_heads)
-        elif name.endswith("k_proj.weight"):
-            t = unpermute_qk(t, config.n_kv_heads)
-        _shape_ok(name, t, expected, source)
-        state[name] = t
-    _check_complete(state, expected, unknown, source)
-    return state
+    return names, unknown
+
+
+def _unpermuted(name: str, t: Tensor, config: LlamaConfig) -> Tensor:
+    if name.endswith("q_proj.weight"):
+        return unpermute_qk(t, config.n_heads)
+    if name.endswith("k_proj.weight"):
+        return unpermute_qk(t, config.n_kv_heads)
+    return t
 
 
 def hf_state_dict(

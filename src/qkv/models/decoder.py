@@ -16,6 +16,7 @@ from ._generate import Sampling, StopText, decode_tokens
 from ._llama_config import LlamaConfig
 from ._model import Tokens
 from .llama import DecoderOutput, LlamaDecoder
+from .quantized import LinearPath
 
 Tensor = torch.Tensor
 
@@ -53,8 +54,11 @@ class TextDecoder(nn.Module):
     Made by :func:`qkv.models.load` (``load("smollm2")``, a ``.gguf`` file or a Hugging Face
     Llama folder). Attributes: ``config`` (:class:`~qkv.models.LlamaConfig`), ``decoder``
     (the :class:`~qkv.models.LlamaDecoder`; ``decoder.layers[i].attention`` is layer ``i``'s
-    :class:`qkv.MultiHeadAttention`), ``path``, ``last_stats`` (:class:`GenerationStats`) and
-    ``last_tokens`` (the token ids each prompt of the last call generated, end token excluded).
+    :class:`qkv.MultiHeadAttention`), ``path``, ``last_stats`` (:class:`GenerationStats`),
+    ``last_tokens`` (the token ids each prompt of the last call generated, end token excluded)
+    and ``linear_path`` (:class:`~qkv.models.quantized.LinearPath`: whether the weight
+    matrices multiply few-row inputs from the GGUF file's blocks with qkv's compiled kernel,
+    or everything runs ``F.linear`` on float32 weights, and why; also in the repr).
     """
 
     causal = True  # a token attends to itself and earlier tokens only
@@ -77,6 +81,7 @@ class TextDecoder(nn.Module):
         self.decoder = LlamaDecoder(config)
         self.last_stats = GenerationStats()
         self.last_tokens: list[list[int]] = []  # the new token ids of each row, last call
+        self.linear_path = LinearPath(None, (), "no quantised blocks were loaded")
 
     @property
     def device(self) -> torch.device:
@@ -286,7 +291,7 @@ class TextDecoder(nn.Module):
         c = self.config
         return (
             f"name={c.name!r}, layers={c.n_layers}, heads={c.n_heads}/{c.n_kv_heads} (q/kv), "
-            f"d_model={c.d_model}, context={c.max_positions}"
+            f"d_model={c.d_model}, context={c.max_positions},\nlinear: {self.linear_path}"
         )
 
 

@@ -1,0 +1,202 @@
+"""qkv's compiled CPU kernels: C++ libraries built on first use with torch's extension builder.
+
+Each :class:`NativeLibrary` is one shared library of torch operators (its ``TORCH_LIBRARY``
+namespace is the library's name) built from its own sources: the band kernel of the
+block-sparse engine (``backends/blocksparse/native.py``) and the GGUF block kernels of the
+decoder (``models/quantized.py``). They are accelerators, never requirements: when one cannot
+be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) its caller runs the same problem
+with torch's kernels and says which one runs.
+
+- Built once per (torch version, CPU capability) into ``$QKV_NATIVE_DIR`` (default
+  ``~/.cache/qkv/native``); later processes load the cached library directly (a stamp of the
+  sources, flags and versions says it is current) in milliseconds. The first build takes
+  ~15-30 s and says so on the ``qkv`` logger.
+- The compiler targets the CPU capability torch itself dispatches to (AVX512, AVX2 or plain),
+  not ``-march=native``, so a cache shared between machines of one capability stays valid,
+  and ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``) builds and tests the other variants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["NativeLibrary", "capability", "switched_off"]
+
+_log = logging.getLogger("qkv")
+
+# F16C (half -> float conversion) comes with every AVX2 and AVX-512 CPU; -mavx2 does not imply it.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+}
+
+
+def capability() -> str:
+    """The CPU capability torch dispatches to: "AVX512", "AVX2" or "DEFAULT"."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # older torch: no capability query; build portable code
+        return "DEFAULT"
+
+
+def switched_off() -> bool:
+    """``QKV_NATIVE=0`` (or off/false/no) turns every compiled kernel off."""
+    return os.environ.get("QKV_NATIVE", "1").strip().lower() in ("0", "off", "false", "no")
+
+
+class NativeLibrary:
+    """One compiled library: ``name`` (the shared object and the ``torch.ops`` namespace),
+    its C++ ``sources``, extra compiler flags, a ``what`` for the log line, and ``fakes``
+    (operator name -> shape function for meta tensors and torch.compile's tracing)."""
+
+    def __init__(
+        self,
+        name: str,
+        sources: Sequence[Path],
+        *,
+        what: str,
+        extra_cflags: Sequence[str] = (),
+        fakes: dict[str, Callable[..., Any]] | None = None,
+    ) -> None:
+        self.name = name
+        self.sources = tuple(sources)
+        self.what = what
+        self.extra_cflags = tuple(extra_cflags)
+        self.fakes = dict(fakes or {})
+        self._lock = threading.Lock()
+        self._state: dict[str, Any] = {}  # "ops": the loaded namespace, or "error": why none
+
+    # ----------------------------------------------------------------------- the build
+
+    def flags(self) -> list[str]:
+        return ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), []), *self.extra_cflags]
+
+    def stamp(self) -> str:
+        """What the library was built from: the sources, the flags, torch and Python."""
+        h = hashlib.sha256()
+        for src in self.sources:
+            h.update(src.read_bytes())
+        h.update(repr((self.flags(), torch.__version__, sys.version_info[:2])).encode())
+        return h.hexdigest()[:20]
+
+    def cache_dir(self) -> Path:
+        """Per torch version and CPU capability, then per build stamp, so that two checkouts
+        or versions of qkv sharing one cache each keep their own library instead of
+        rebuilding over each other's (seen with several worktrees here)."""
+        root = os.environ.get("QKV_NATIVE_DIR") or Path.home() / ".cache" / "qkv" / "native"
+        tag = f"torch-{torch.__version__.replace('+', '_')}-{capability().lower()}"
+        return Path(root) / tag / self.stamp()
+
+    def disabled(self) -> str | None:
+        """Why the library will not be used (without building it), or ``None``."""
+        if switched_off():
+            return "QKV_NATIVE=0 turns the compiled kernels off"
+        if "error" in self._state:
+            return str(self._state["error"])
+        if "ops" not in self._state and shutil.which(os.environ.get("CXX", "c++")) is None:
+            return "no C++ compiler found to build them (set CXX, or install g++)"
+        return None
+
+    def ops(self) -> Any | None:
+        """The library's ``torch.ops`` namespace, building it on first use; ``None`` (with
+        the reason logged once, and in :meth:`disabled`) when it cannot be had."""
+        if switched_off():
+            return None
+        got = self._state.get("ops")
+        if got is not None:
+            return got
+        if torch.compiler.is_compiling():
+            # file system, environment and a compiler: nothing for dynamo to trace. (Wrapped
+            # here, not with a decorator: that would import torch._dynamo, ~1 s, with qkv.)
+            if "load_eager" not in self._state:
+                self._state["load_eager"] = torch.compiler.disable(self._load)
+            return self._state["load_eager"]()
+        return self._load()
+
+    def _load(self) -> Any | None:
+        if self.disabled() is not None:
+            return None
+        with self._lock:
+            if "ops" in self._state or "error" in self._state:
+                return self._state.get("ops")
+            try:
+                self._state["ops"] = self._build()
+            except Exception as e:  # no compiler, no headers, a failed build: fall back
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                self._state["error"] = f"building the compiled kernel failed: {first[:200]}"
+                _log.warning("qkv: %s; using torch's kernels instead", self._state["error"])
+                return None
+        return self._state["ops"]
+
+    def _build(self) -> Any:
+        """Load the library built for these sources, or build it. A process whose library is
+        already built loads it directly (~10 ms); going through torch's builder costs ~1 s
+        and ~80 MiB of imports even when it finds nothing to do."""
+        out = self.cache_dir()
+        stamp_file = out / "stamp.json"
+        try:
+            got = json.loads(stamp_file.read_text())
+            if got.get("stamp") == self.stamp() and Path(got["lib"]).is_file():
+                torch.ops.load_library(got["lib"])
+                return self._registered()
+        except Exception:  # no stamp yet, a stale one, an unloadable file: build
+            pass
+
+        from torch.utils import cpp_extension
+
+        out.mkdir(parents=True, exist_ok=True)
+        # torch's builder runs `ninja`; the `ninja` package puts it beside the interpreter,
+        # which is not on PATH when the venv is not activated.
+        path = os.environ.get("PATH", "")
+        extra = [str(Path(sys.executable).parent)]
+        try:
+            import ninja
+
+            extra.append(str(ninja.BIN_DIR))
+        except Exception:
+            pass
+        os.environ["PATH"] = os.pathsep.join([*extra, path])
+        try:
+            if not any(out.glob(f"{self.name}*.so")):
+                _log.warning("qkv: compiling the %s once (~15-30 s), into %s", self.what, out)
+            cpp_extension.load(
+                name=self.name,
+                sources=[str(s) for s in self.sources],
+                extra_cflags=self.flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(out),
+                is_python_module=False,
+                verbose=False,
+            )
+        finally:
+            os.environ["PATH"] = path
+        libs = sorted(out.glob(f"{self.name}*.so"), key=lambda f: f.stat().st_mtime)
+        if libs:
+            tmp = stamp_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"stamp": self.stamp(), "lib": str(libs[-1])}))
+            tmp.replace(stamp_file)  # atomic: a concurrent reader sees the old or the new stamp
+        return self._registered()
+
+    def _registered(self) -> Any:
+        """The loaded namespace, with the shape functions registered (once)."""
+        try:
+            register = torch.library.register_fake
+        except AttributeError:  # torch < 2.4 spelling; nothing to trace there
+            register = None
+        for op, fake in self.fakes.items():
+            if register is not None:
+                with contextlib.suppress(RuntimeError):  # already registered (a second load)
+                    register(f"{self.name}::{op}", fake)
+        return getattr(torch.ops, self.name)
