@@ -50,7 +50,8 @@ echo "bench exit $? after $(( $(date +%s) - start )) s"; tail -25 "$out/bench.tx
 
 left=$(( 460 - ($(date +%s) - start) ))
 [ "$left" -gt 30 ] || left=30
-timeout "$left" $py -m pytest -p no:cacheprovider -q --maxfail=20 --timeout 120 \
+per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
+timeout "$left" $py -m pytest -p no:cacheprovider -q --maxfail=20 $per_test \
   tests/test_triton.py "tests/test_backends.py::test_backend_matches_oracle" -k "triton or cuda" \
   >"$out/cuda_tests.txt" 2>&1
 echo "triton tests exit $?"; tail -15 "$out/cuda_tests.txt"
