@@ -383,9 +383,6 @@ def main() -> None:
             guarded(f"document8-causal-n{cfg.n_long}-{'fwd+bwd' if bwd else 'fwd'}",
                     lambda bwd=bwd: case_document(cfg, bwd))  # fmt: skip
             save()
-    if "first" in only:
-        guarded("first-call-new-mask-shape", lambda: case_first_call(cfg))
-        save()
     if "dense" in only:
         for n in cfg.ns:
             for causal in (False, True):
@@ -393,6 +390,9 @@ def main() -> None:
                     label = f"{'causal' if causal else 'nomask'}-n{n}-{'fwd+bwd' if bwd else 'fwd'}"
                     guarded(label, lambda n=n, c=causal, b=bwd: case_dense(cfg, n, c, b))
                     save()
+    if "first" in only:
+        guarded("first-call-new-mask-shape", lambda: case_first_call(cfg))
+        save()
     save()
     print(report(cfg))
 

@@ -45,10 +45,10 @@ for mask, dense in [(qkv.causal, "causal"), (qkv.sliding_window(100), "window"),
 PY
 cat "$out/sanity.txt"
 
-timeout 300 $py benchmarks/bench_gpu.py --out "$out" >"$out/bench.txt" 2>&1
+timeout 330 $py benchmarks/bench_gpu.py --out "$out" --rounds 5 --reps 5 >"$out/bench.txt" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start )) s"; tail -25 "$out/bench.txt"
 
-left=$(( 460 - ($(date +%s) - start) ))
+left=$(( 470 - ($(date +%s) - start) ))
 [ "$left" -gt 30 ] || left=30
 per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
 timeout "$left" $py -m pytest -p no:cacheprovider -q --maxfail=20 $per_test \
