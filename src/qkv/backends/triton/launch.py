@@ -2,7 +2,7 @@
 
 Three layers (STYLE.md rule 7): :class:`qkv.backends.triton.TritonBackend` →
 :class:`TritonAttention`
-(this file) → the kernels (``kernels.py``).
+(this file) → the kernels (``kernels/``: forward.py, backward.py, parts.py).
 """
 
 from __future__ import annotations
