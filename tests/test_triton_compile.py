@@ -5,7 +5,8 @@ Triton's compiler: type errors in loop-carried values, layouts, shared memory be
 chip's limit only show when compiling. Triton and ptxas compile for a GPU on any machine, so
 every kernel family is compiled here as a launch would specialise it (``qkv.backends.triton.
 ahead``: every dtype, the three head-dim tiers, each in-kernel mask term, bits, every score
-kind with its gradient), in a fresh process without ``TRITON_INTERPRET``.
+kind with its gradient; ``--quick``: one variant per head-dim tier and dtype), in a fresh
+process without ``TRITON_INTERPRET``. ``python -m qkv.backends.triton.ahead`` compiles all.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     src = Path(__file__).resolve().parents[1] / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     res = subprocess.run(
-        [sys.executable, "-m", "qkv.backends.triton.ahead", "90"],
+        [sys.executable, "-m", "qkv.backends.triton.ahead", "90", "--quick"],
         env=env,
         capture_output=True,
         text=True,
@@ -40,7 +41,7 @@ def test_every_kernel_compiles_for_sm90() -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     variants = {r["variant"] for r in rows}
-    assert len(variants) >= 8 and len(rows) == 3 * len(variants)
+    assert len(variants) >= 5 and len(rows) == 3 * len(variants)
     for v in variants:
         assert {r["kernel"] for r in rows if r["variant"] == v} == KERNELS, v
     for r in rows:
