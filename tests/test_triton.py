@@ -237,3 +237,22 @@ def test_cuda_auto_routes() -> None:
     ids = torch.arange(8192, device="cuda") // 1024
     doc = qkv.and_masks(qkv.causal, qkv.document(ids))
     assert qkv.plan(q, k, v, mask=doc).backend == "triton"
+
+
+def test_a_mask_object_is_planned_once_until_its_tensors_change() -> None:
+    """A padding mask passed to every layer is planned once (kept on the mask object); an
+    in-place change of its lengths is seen (the plan is keyed by the tensors' versions)."""
+    shape = Shape(2, 2, 2, 40, 50, 16)
+    q, k, v = make_qkv(shape, gen=19, device=DEVICE)
+    lengths = torch.tensor([50, 20])
+    mask = qkv.padding(lengths)
+    first = triton(q, k, v, mask=mask)[0]
+    plans = dict(vars(mask)["_triton_plans"])
+    assert len(plans) == 1
+    again = triton(q, k, v, mask=mask)[0]
+    assert vars(mask)["_triton_plans"] == plans  # reused, not planned again
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    lengths[1] = 45  # the user edits the lengths in place: more key blocks are visible
+    changed = triton(q, k, v, mask=mask)[0]
+    want = qkv.attention(q, k, v, mask=qkv.padding(torch.tensor([50, 45])), backend="reference")
+    torch.testing.assert_close(changed, want, atol=1e-5, rtol=1e-5)

@@ -146,6 +146,24 @@ def _value_key(m: MaskKind) -> tuple[object, ...] | None:
     return None
 
 
+_BUILT_IN = ("padding", "document", "causal", "band", "prefix", "none")
+
+
+def _tensor_versions(m: MaskKind) -> tuple[object, ...] | None:
+    """For a built-in mask holding tensors (padding, documents, their and-combinations): each
+    tensor's storage and in-place version counter, so a plan kept on the mask object is
+    reused only while its tensors are unchanged. ``None`` for any other mask."""
+    parts = m.parts if m.kind == "and" else (m,)
+    if not all(p.kind in _BUILT_IN for p in parts):
+        return None
+    out: list[object] = []
+    for p in parts:
+        for t in (p.limit, p.start, p.ids):
+            if isinstance(t, Tensor):
+                out.append((t.data_ptr(), t._version, tuple(t.shape)))
+    return tuple(out)
+
+
 def _planned(
     m: MaskKind, shape: tuple[int, int, int, int], block_size: tuple[int, int], device: torch.device
 ) -> BlockMask:
@@ -153,7 +171,20 @@ def _planned(
     key = None if vk is None else (vk, shape[2], shape[3], block_size, str(device))
     if key is not None and key in _BY_VALUE:
         return _BY_VALUE[key]
+    # A built-in mask with tensors is kept on the mask object itself: qkv.hf (and any model
+    # passing one mask to every layer) plans it once per forward, not once per layer.
+    versions = _tensor_versions(m) if key is None else None
+    kept: dict[tuple[object, ...], BlockMask] | None = None
+    if versions is not None and hasattr(m.source, "__dict__"):
+        kept = m.source.__dict__.setdefault("_triton_plans", {})
+        okey = (versions, shape, block_size, str(device))
+        if okey in kept:
+            return kept[okey]
     bm = build(m, shape, (False, False), block_size, device)
+    if kept is not None:
+        if len(kept) >= 8:
+            kept.clear()
+        kept[okey] = bm
     if key is not None:
         if len(_BY_VALUE) >= _BY_VALUE_MAX:
             _BY_VALUE.pop(next(iter(_BY_VALUE)))
@@ -195,11 +226,19 @@ def tile_lists(
 
 
 def _sorted_visible(vis: Tensor) -> tuple[Tensor, Tensor]:
-    """``(count [..., n], idx [..., n, W])``: per row the visible column indices, increasing."""
+    """``(count [..., n], idx [..., n, W])``: per row the visible column indices, increasing
+    (entries past a row's count are 0). A scatter by running count: 2-3x faster than a
+    stable sort at 256 x 1024 tiles (n = 32 K), where planning cost more than the kernel."""
     count = vis.sum(-1)
-    width = max(1, int(count.max()) if count.numel() else 1)
-    order = torch.sort((~vis).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    return count, order
+    width = int(count.max()) if count.numel() else 0
+    if vis.shape[-1] == 0:  # no columns at all (no keys): empty lists
+        return count, torch.zeros((*vis.shape[:-1], 0), dtype=torch.int64)
+    width = max(1, width)
+    slot = torch.where(vis, vis.cumsum(-1) - 1, width)  # [..., n]: each visible column's place
+    cols = torch.arange(vis.shape[-1]).expand(vis.shape)
+    out = torch.zeros((*vis.shape[:-1], width + 1), dtype=torch.int64)
+    out.scatter_(-1, slot, cols)  # hidden columns all land in the spare last slot
+    return count, out[..., :width]
 
 
 def _lists(
