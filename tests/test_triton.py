@@ -150,10 +150,12 @@ def test_float16_and_head_dim_256(shape: Shape, dtype: torch.dtype) -> None:
 
 
 def test_empty_problems() -> None:
-    q, k, v = make_qkv(Shape(2, 2, 1, 5, 0, 16), device=DEVICE)
+    q, k, v = make_qkv(Shape(2, 2, 1, 5, 0, 16), requires_grad=True, device=DEVICE)
     out, lse = triton(q, k, v)
     assert out.shape == (2, 2, 5, 16) and bool((out == 0).all())
     assert bool((lse == float("-inf")).all())
+    out.sum().backward()  # no key: zero gradients, as for any row that sees none
+    assert q.grad is not None and bool((q.grad == 0).all())
     q, k, v = make_qkv(Shape(2, 2, 1, 0, 9, 16), device=DEVICE)
     out, lse = triton(q, k, v, mask=qkv.causal)
     assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)

@@ -64,3 +64,15 @@ def score_bytes(p: Problem, copies: int) -> int:
     """Bytes of ``copies`` dense ``[B, Hq, Lq, Lk]`` matrices in the compute dtype."""
     item = torch.finfo(p.compute_dtype).bits // 8
     return copies * p.B * p.Hq * p.Lq * p.Lk * item
+
+
+def no_keys_result(p: Problem) -> tuple[Tensor, Tensor | None]:
+    """The result of a problem without queries or keys: ``out`` zeros, ``lse`` ``-inf``
+    (when asked for). ``out`` stays in autograd's graph of q, k and v, so a backward gives
+    them the zero gradients the contract promises for rows that see no key."""
+    out = p.q.new_zeros(p.B, p.Hq, p.Lq, p.Dv)
+    inputs = [t for t in (p.q, p.k, p.v) if t.requires_grad]
+    if torch.is_grad_enabled() and inputs:
+        out = out + sum(t.sum() * 0 for t in inputs)
+    lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), device=p.device)
+    return out, (lse if p.return_lse else None)

@@ -24,7 +24,7 @@ import torch
 
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
-from ..base import Backend, Route
+from ..base import Backend, Route, no_keys_result
 from . import autograd, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
@@ -81,9 +81,7 @@ class BlocksparseBackend(Backend):
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
-            out = p.q.new_zeros(p.B, p.Hq, p.Lq, p.Dv)
-            lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), device=p.device)
-            return out, (lse if p.return_lse else None)
+            return no_keys_result(p)
         bias = job.bias
         watch = job.score_mod is not None and torch.is_grad_enabled()
         seed = int(torch.randint(0, 1 << 62, (1,)).item()) if p.dropout_p > 0 else 0

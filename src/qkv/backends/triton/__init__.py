@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from ..._problem import Problem
-from ..base import Backend, Route
+from ..base import Backend, Route, no_keys_result
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings
 from .lists import block_mask_at, mask_spec, tile_lists
@@ -112,9 +112,7 @@ class TritonBackend(Backend):
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         call: Call = route.detail
         if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
-            out = p.q.new_zeros(p.B, p.Hq, p.Lq, p.Dv)
-            lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), device=p.device)
-            return out, (lse if p.return_lse else None)
+            return no_keys_result(p)
         q, k, v = (_unit_last(t) for t in (p.q, p.k, p.v))
         param = score_param(p)
         tracked = [q, k, v, *([param] if param is not None else [])]

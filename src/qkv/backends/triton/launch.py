@@ -7,6 +7,7 @@ Three layers (STYLE.md rule 7): :class:`qkv.backends.triton.TritonBackend` →
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -100,9 +101,16 @@ class Call:
     tiles: Tilings
 
 
+@functools.cache
+def _placeholder(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A one-element tensor for pointer arguments a kernel specialisation never reads (made
+    once per device: no allocation and fill kernel on every call)."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
 def _mask_args(p: Problem, spec: MaskSpec, lists: TileLists) -> list[Any]:
     dev = p.device
-    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = _placeholder(torch.int32, dev)
     start, limit = spec.pad if spec.pad is not None else (dummy, dummy)
     ids = spec.ids if spec.ids is not None else dummy
     return [start, limit, ids, lists.bits]
@@ -111,7 +119,7 @@ def _mask_args(p: Problem, spec: MaskSpec, lists: TileLists) -> list[Any]:
 def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any], float, int]:
     """``(tensors, strides, cap, R)``: BIAS, SLOPES, TABLE and their strides."""
     dev = p.device
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    dummy = _placeholder(torch.float32, dev)
     bias, slopes, table = dummy, dummy, dummy
     sb = [0, 0, 0, 0]
     st = [0, 0]
@@ -285,7 +293,7 @@ def backward(
         DV_=p.Dv,
         **constexprs(p, spec, tiles.dkdv, interp=interp),
     )  # fmt: skip
-    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+    dummy = _placeholder(torch.float32, q.device)
     lb, lh = _list_strides(by_query, nq)
     kernels.attn_bwd_dq[(nq, B * Hq)](
         q, k, v, dout, lse, delta, dq,

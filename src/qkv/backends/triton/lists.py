@@ -48,9 +48,25 @@ class MaskSpec:
 
 
 def mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> MaskSpec:
-    """The kernel's formula for mask ``m`` (see the module docstring)."""
+    """The kernel's formula for mask ``m`` (see the module docstring). A built-in mask with
+    tensors keeps its formula on the mask object, as its plan (:func:`block_mask_at`): its
+    tensors are copied to the device once, not in every layer's call (a pageable copy to a
+    GPU waits for it)."""
     if m.kind == "none":
         return MaskSpec()
+    versions = _tensor_versions(m)
+    if not versions or not hasattr(m.source, "__dict__"):
+        return _mask_spec(m, B, Lq, Lk, device)
+    kept = m.source.__dict__.setdefault("_triton_specs", {})
+    key = (versions, B, Lq, Lk, str(device))
+    if key not in kept:
+        if len(kept) >= 8:
+            kept.clear()
+        kept[key] = _mask_spec(m, B, Lq, Lk, device)
+    return kept[key]
+
+
+def _mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> MaskSpec:
     parts = m.parts if m.kind == "and" else (m,)
     band: tuple[int, int] | None = None
     prefix: int | None = None
