@@ -55,7 +55,8 @@ def attention(
         return_lse: also return ``lse [B, Hq, Lq]`` (float32), the natural log of each row's
             softmax denominator; ``-inf`` for fully masked rows.
         backend: ``"auto"`` (default: the fastest backend that computes this exactly),
-            ``"sdpa"`` or ``"reference"``. :func:`qkv.plan` says which runs and why.
+            ``"sdpa"``, ``"triton"`` (CUDA tensors), ``"blocksparse"`` or ``"reference"``.
+            :func:`qkv.plan` says which runs and why.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. Half-precision inputs are
