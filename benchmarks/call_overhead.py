@@ -1,12 +1,14 @@
-"""What qkv adds to one small attention call: a GQA decode step (q [1, 9, 1, 64], 100 cached
-keys, SmolLM2's head layout), where the kernel is tiny and Python is most of the time.
+"""One GQA decode-step attention call (q [1, 9, 1, 64] against k, v [1, 3, n, 64]: SmolLM2's
+head layout), qkv against the calls people would otherwise make. At 100 cached keys the work
+is tiny and per-call cost is most of the time; at thousands, the kernel is.
 
-Pairs, interleaved round by round in one process, one thread, median of per-round ratios:
-``qkv.attention`` against the bare ``F.scaled_dot_product_attention`` it routes to, and
+Pairs, interleaved round by round in one process, median of per-round ratios:
+``qkv.attention`` against ``F.scaled_dot_product_attention(enable_gqa=True)``, and
 ``qkv.hf.attention_forward`` against transformers' ``sdpa_attention_forward`` (the call each
 layer of a transformers model makes).
 
-    .venv/bin/python benchmarks/call_overhead.py --rounds 7
+    .venv/bin/python benchmarks/call_overhead.py --rounds 7                 # 1 thread, 100 keys
+    .venv/bin/python benchmarks/call_overhead.py --threads 2 --keys 32,100,400,1000,4000,16000
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from machine import describe
 
+import qkv
 from qkv import attention
 
 
 def per_call_us(fn: Callable[[], Any], calls: int) -> float:
-    for _ in range(200):
+    for _ in range(max(5, calls // 25)):
         fn()
     t = time.perf_counter()
     for _ in range(calls):
@@ -36,11 +39,20 @@ def per_call_us(fn: Callable[[], Any], calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--calls", type=int, default=5000, help="calls per round at 100 keys")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--keys", default="100", help="cached keys, comma-separated")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    print(f"machine: {describe()}; {args.threads} thread(s); {args.rounds} rounds")
+    for n in (int(x) for x in args.keys.split(",")):
+        calls = max(20, args.calls * 100 // max(n, 100))  # ~the same time per round
+        compare(n, args.rounds, calls)
+
+
+def compare(n: int, rounds: int, calls: int) -> None:
     q = torch.randn(1, 9, 1, 64)
-    k, v = torch.randn(1, 3, 100, 64), torch.randn(1, 3, 100, 64)
+    k, v = torch.randn(1, 3, n, 64), torch.randn(1, 3, n, 64)
     pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "qkv.attention vs F.sdpa": (
             lambda: attention(q, k, v),
@@ -63,15 +75,16 @@ def main() -> None:
         )
     except ImportError:
         print("transformers not installed: the qkv.hf pair is skipped")
-    print(f"machine: {describe()}; 1 thread; {args.rounds} rounds x {args.calls} calls")
+    backend = qkv.plan(q, k, v).backend
+    print(f"{n} cached keys ({calls} calls a round; qkv's backend: {backend})")
     for name, (ours, peer) in pairs.items():
         mine, theirs = [], []
-        for _ in range(args.rounds):
-            mine.append(per_call_us(ours, args.calls))
-            theirs.append(per_call_us(peer, args.calls))
+        for _ in range(rounds):
+            mine.append(per_call_us(ours, calls))
+            theirs.append(per_call_us(peer, calls))
         ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
         print(
-            f"{name}: {statistics.median(mine):.1f} us vs {statistics.median(theirs):.1f} us "
+            f"  {name}: {statistics.median(mine):.1f} us vs {statistics.median(theirs):.1f} us "
             f"a call; qkv / peer time {ratio:.2f}x"
         )
 

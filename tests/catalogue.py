@@ -60,7 +60,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 OTHER_DTYPES = [torch.float16, torch.float64]
 # Every name `backend=` takes. test_backends checks that qkv's own error message lists
 # exactly these, so a new backend cannot miss the oracle matrix.
-BACKENDS = ["auto", "sdpa", "triton", "blocksparse", "reference"]
+BACKENDS = ["auto", "decode", "sdpa", "triton", "blocksparse", "reference"]
 
 
 @dataclass(frozen=True)

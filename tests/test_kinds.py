@@ -104,9 +104,9 @@ def test_prefix_lm_spelled_as_or_is_planned_as_prefix():
 def test_a_kv_cache_prefill_is_causal_and_reaches_sdpa_is_causal():
     """The module's prefill shifts qkv.causal by 0: the shifted band is still causal, so SDPA's
     is_causal path runs (it missed it when identity decided what was causal)."""
-    prefill = mask_at(qkv.causal, 0, 0, 12, 12)
+    prefill = mask_at(qkv.causal, 0, 0, 40, 40)
     assert classify_mask(prefill).kind == "causal"
-    q = torch.randn(1, 2, 12, 16)
+    q = torch.randn(1, 2, 40, 16)  # 40 rows: a prefill (a few rows would be the decode kernel's)
     plan = qkv.plan(q, q, q, mask=prefill)
     assert plan.backend == "sdpa" and "is_causal" in plan.forward
     chunk = mask_at(qkv.causal, 5, 0, 3, 8)  # 5 cached + 3 new: a band, not top-left causal

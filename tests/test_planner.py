@@ -162,8 +162,8 @@ def test_named_backends(torch_kernels):
 
 
 def test_auto_order_and_registry():
-    assert planner.AUTO_ORDER == ["sdpa", "triton", "blocksparse", "reference"]
-    assert set(planner.BACKENDS) == {"sdpa", "triton", "blocksparse", "reference"}
+    assert planner.AUTO_ORDER == ["sdpa", "decode", "triton", "blocksparse", "reference"]
+    assert set(planner.BACKENDS) == {"sdpa", "decode", "triton", "blocksparse", "reference"}
 
 
 def test_cli_plan_shows_blocksparse(capsys, torch_kernels):
@@ -206,9 +206,10 @@ def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
     # a bad call never reaches the cache: the full door refuses it
     with pytest.raises(ValueError, match="q heads must be a multiple"):
         qkv.attention(torch.randn(1, 8, 1, 64), k, v)
-    # routes that hold per-call work (lse from blocksparse) are not kept
+    # routes that hold per-call work (lse from blocksparse, with a gradient) are not kept
     before = len(_plain._ROUTES)
-    qkv.attention(q, k, v, return_lse=True)
+    assert qkv.plan(qg, k, v, return_lse=True).backend == "blocksparse"
+    qkv.attention(qg, k, v, return_lse=True)
     assert len(_plain._ROUTES) == before
 
 

@@ -6,9 +6,10 @@ nothing but the tensors' shapes, dtypes, devices and autograd flags and the call
 the first call of a signature runs the full door (``validate``) and the planner; later calls
 with the same signature reuse its route. The signature holds everything the checks and the
 decision read, so a hit is a call the full path has already accepted and would decide the same
-way. Only routes that carry nothing of the first call's tensors are kept (SDPA's; the
-block-sparse and Triton routes hold per-call jobs). Measured on a GQA decode step
-(benchmarks/RESULTS.md, issue 10): validate + decide cost ~15 us a call, the lookup ~2 us.
+way. Only routes that carry nothing of the first call's tensors are kept (SDPA's and the
+decode kernel's; the block-sparse and Triton routes hold per-call jobs). Measured on a GQA
+decode step (benchmarks/RESULTS.md, issue 10): validate + decide cost ~15 us a call, the
+lookup ~2 us.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .backends.base import Route
 Tensor = torch.Tensor
 
 _ROUTES: dict[tuple[object, ...], tuple[str, Route, float]] = {}
+_KEPT = ("sdpa", "decode")  # routes that carry nothing of the call that made them
 _MAX = 512  # signatures kept (a model's layers share one; decoding adds one per length)
 
 
@@ -61,7 +63,7 @@ def lookup(
 def keep(key: tuple[object, ...], plan: planner.Plan) -> None:
     """Remember a plan made by the full path for ``key`` when its route can be reused."""
     route = plan.route
-    if route.detail is not None or route.block is not None or plan.backend != "sdpa":
+    if route.detail is not None or route.block is not None or plan.backend not in _KEPT:
         return
     if len(_ROUTES) >= _MAX:
         _ROUTES.clear()

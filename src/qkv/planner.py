@@ -18,7 +18,7 @@ import torch
 from ._flexplan import plan_notes
 from ._problem import Problem, validate
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import Backend, Route
+from .backends.base import Backend, Route, Unavailable
 from .backends.blocksparse.plan import native_band
 
 Tensor = torch.Tensor
@@ -76,6 +76,13 @@ def _auto_skip(name: str, p: Problem) -> str | None:
     """The auto policy: why ``auto`` passes over a backend that could compute ``p`` but
     not well."""
     masked = p.mask.kind not in ("none", "causal")
+    if name == "sdpa" and BACKENDS["decode"].rejects(p) is None:
+        # Measured (benchmarks/RESULTS.md, issue 10): 0.3-0.8x SDPA's time for up to 16 query
+        # rows per kv head on 2 threads, ~0.5x on a SmolLM2 decode step at 100-16k keys.
+        return (
+            "qkv's decode kernel computes this faster (a few query rows per kv head against "
+            "their keys, the keys split across threads)"
+        )
     if name == "triton" and p.device.type != "cuda":
         return "Triton's interpreter runs on the CPU only for tests (hundreds of times slower)"
     if name == "sdpa" and p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
@@ -247,8 +254,7 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
         b = BACKENDS[name]
         why = b.rejects(p)
         if why is None:
-            route = b.route(p, dry_run=dry_run)
-            why = _too_big(b, route)
+            route, why = _route(b, p, dry_run)
         if why is not None:
             raise ValueError(f"backend {name!r} cannot compute this problem: {why}")
         others = {n: "not requested (backend was named explicitly)" for n in BACKENDS if n != name}
@@ -257,13 +263,25 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
         b = BACKENDS[n]
         why = b.rejects(p) or _auto_skip(n, p)
         if why is None:
-            route = b.route(p, dry_run=dry_run)
-            why = _too_big(b, route)
+            route, why = _route(b, p, dry_run)
             if why is None:
                 return _plan(b, route, rejected, p)
         rejected[n] = why
     lines = "; ".join(f"{n}: {w}" for n, w in rejected.items())
     raise ValueError(f"no backend can compute this problem within the limits ({lines})")
+
+
+def _route(b: Backend, p: Problem, dry_run: bool) -> tuple[Route, str | None]:
+    """The backend's route, or why it cannot take it after all (a failed kernel build, or
+    over the dense limit)."""
+    try:
+        route = b.route(p, dry_run=dry_run)
+    except Unavailable as e:
+        return _NO_ROUTE, str(e)
+    return route, _too_big(b, route)
+
+
+_NO_ROUTE = Route(forward="", backward="", extra_memory=0)
 
 
 def _plan(b: Backend, route: Route, rejected: dict[str, str], p: Problem) -> Plan:
@@ -300,7 +318,7 @@ def plan(
     Example::
 
         >>> import torch, qkv
-        >>> q = k = v = torch.randn(1, 2, 16, 8)
+        >>> q = k = v = torch.randn(1, 2, 64, 8)
         >>> qkv.plan(q, k, v, mask=qkv.causal).backend
         'sdpa'
     """

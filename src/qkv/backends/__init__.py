@@ -8,14 +8,25 @@ from __future__ import annotations
 
 from .base import Backend
 from .blocksparse import BlocksparseBackend
+from .decode import DecodeBackend
 from .reference import ReferenceBackend
 from .sdpa import SdpaBackend
 from .triton import TritonBackend
 
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (SdpaBackend(), TritonBackend(), BlocksparseBackend(), ReferenceBackend())
+    b.name: b
+    for b in (
+        DecodeBackend(),
+        SdpaBackend(),
+        TritonBackend(),
+        BlocksparseBackend(),
+        ReferenceBackend(),
+    )
 }
-# sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias);
-# triton for masks on CUDA (the fused kernel over the tile plan); blocksparse for everything
-# else (masks on the CPU, score_mods, lse); the reference as the last resort.
-AUTO_ORDER: list[str] = ["sdpa", "triton", "blocksparse", "reference"]
+# sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias),
+# except where the decode kernel takes it (the auto policy in qkv.planner); decode for a few
+# query rows per kv head with nothing to learn (a decode step on the CPU, masks of one key run
+# per row included); triton for masks on CUDA (the fused kernel over the tile plan);
+# blocksparse for everything else (masks on the CPU, score_mods, lse); the reference as the
+# last resort.
+AUTO_ORDER: list[str] = ["sdpa", "decode", "triton", "blocksparse", "reference"]

@@ -37,6 +37,11 @@ class Route:
     detail: Any = None  # backend-private: what ``run`` executes (e.g. the block-sparse job)
 
 
+class Unavailable(Exception):
+    """Raised by :meth:`Backend.route` when a one-off step the route needs (building a compiled
+    kernel) failed: the planner passes over the backend with this message as the reason."""
+
+
 class Backend(ABC):
     """The interface every backend implements (see the module docstring)."""
 
@@ -52,7 +57,8 @@ class Backend(ABC):
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         """How this backend will compute ``p`` (only called when ``rejects(p)`` is None).
         ``dry_run`` (for :func:`qkv.plan`): decide without one-off work such as compiling a
-        kernel, and attach what a person needs to see (the tile plan)."""
+        kernel, and attach what a person needs to see (the tile plan). Raises
+        :class:`Unavailable` when that one-off work fails."""
 
     @abstractmethod
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
