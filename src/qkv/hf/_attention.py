@@ -150,11 +150,17 @@ def _documents(kwargs: dict[str, Any], B: int, Lq: int, Lk: int) -> object | Non
 def _collected() -> Any:
     """What transformers' output collector is gathering in this forward (GPT-2 and others do
     not pass ``output_attentions`` down, but the collector knows), or None."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - a transformers without it: the keyword only
-        return None
-    return _active_collector.get()
+    if not _COLLECTOR:  # looked up once: an import statement per layer call costs ~1 us
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:  # pragma: no cover - a transformers without it: the keyword only
+            _active_collector = None
+        _COLLECTOR.append(_active_collector)
+    var = _COLLECTOR[0]
+    return None if var is None else var.get()
+
+
+_COLLECTOR: list[Any] = []
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:

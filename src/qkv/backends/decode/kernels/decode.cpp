@@ -161,16 +161,18 @@ void partial(const float* q, int64_t R, int64_t D, const float* k, int64_t ks, c
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v, const at::Tensor& start,
+std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q_, const at::Tensor& k_,
+                                                  const at::Tensor& v_, const at::Tensor& start,
                                                   const at::Tensor& end, int64_t lo, int64_t hi,
                                                   double scale_, int64_t splits) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_forward: 4-D q, k, v");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat,
+  TORCH_CHECK(q_.dim() == 4 && k_.dim() == 4 && v_.dim() == 4, "decode_forward: 4-D q, k, v");
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k_.scalar_type() == at::kFloat &&
+                  v_.scalar_type() == at::kFloat,
               "decode_forward: float32 tensors");
-  TORCH_CHECK(q.is_contiguous(), "decode_forward: q must be contiguous");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_forward: k, v rows contiguous");
+  // q as one block of rows; k and v as they are (a cache view) unless their rows are strided
+  const at::Tensor q = q_.contiguous();
+  const at::Tensor k = k_.stride(3) == 1 ? k_ : k_.contiguous();
+  const at::Tensor v = v_.stride(3) == 1 ? v_ : v_.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "decode_forward: Hq must be a multiple of Hkv");
@@ -213,9 +215,8 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q, const at:
   const int64_t threads = at::get_num_threads();
   int64_t S = splits;
   if (S <= 0) {
-    const int64_t work = B * Hkv * span * R;
     S = 1;
-    if (threads > 1 && work >= 2048) {
+    if (threads > 1 && B * Hkv * span * R >= 2048) {
       S = (4 * threads + B * Hkv - 1) / (B * Hkv);
       S = std::min(S, std::max<int64_t>(1, span / 64));
     }
@@ -230,8 +231,7 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q, const at:
   const float* vp = v.data_ptr<float>();
   const int64_t kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
-  const int64_t grain = S == 1 && items <= threads ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t stop) {
+  auto work = [&](int64_t begin, int64_t stop) {
     for (int64_t it = begin; it < stop; ++it) {
       const int64_t sp_ = it % S, bh = it / S, b = bh / Hkv, h = bh % Hkv;
       const int64_t j0 = u0 + sp_ * chunk, j1 = std::min(u1, j0 + chunk);
@@ -239,7 +239,12 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q, const at:
               vp + b * vb + h * vh, vs, Dv, j0, std::max(j0, j1), &ra[b * R], &re[b * R], scale,
               &M[it * R], &L[it * R], &A[it * R * Dv]);
     }
-  });
+  };
+  if (S == 1 && splits <= 0 && B * Hkv * span * R < 2048) {
+    work(0, items);  // too small for a parallel region: it would cost more than it saves
+  } else {
+    at::parallel_for(0, items, 1, work);
+  }
 
   // Merge the splits of each row: out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s.
   float* op = out.data_ptr<float>();
