@@ -151,13 +151,14 @@ def _collected() -> Any:
     """What transformers' output collector is gathering in this forward (GPT-2 and others do
     not pass ``output_attentions`` down, but the collector knows), or None."""
     if not _COLLECTOR:  # looked up once: an import statement per layer call costs ~1 us
+        var: Any = None
         try:
-            from transformers.utils.output_capturing import _active_collector
+            from transformers.utils.output_capturing import _active_collector as var
         except ImportError:  # pragma: no cover - a transformers without it: the keyword only
-            _active_collector = None
-        _COLLECTOR.append(_active_collector)
-    var = _COLLECTOR[0]
-    return None if var is None else var.get()
+            pass
+        _COLLECTOR.append(var)
+    got = _COLLECTOR[0]
+    return None if got is None else got.get()
 
 
 _COLLECTOR: list[Any] = []
