@@ -13,6 +13,7 @@ lse: ``out * exp(lse - logaddexp(lse, sink))``, which is what an extra softmax c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -151,11 +152,9 @@ def _collected() -> Any:
     """What transformers' output collector is gathering in this forward (GPT-2 and others do
     not pass ``output_attentions`` down, but the collector knows), or None."""
     if not _COLLECTOR:  # looked up once: an import statement per layer call costs ~1 us
-        var: Any = None
-        try:
+        var: Any = None  # a transformers without the collector: the keyword only
+        with contextlib.suppress(ImportError):
             from transformers.utils.output_capturing import _active_collector as var
-        except ImportError:  # pragma: no cover - a transformers without it: the keyword only
-            pass
         _COLLECTOR.append(var)
     got = _COLLECTOR[0]
     return None if got is None else got.get()
