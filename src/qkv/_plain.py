@@ -4,12 +4,14 @@ A decoder calls attention with the same shapes in every layer and, while decodin
 shapes that differ only in the cache length. With no mask and no score_mod the plan depends on
 nothing but the tensors' shapes, dtypes, devices and autograd flags and the call's scalars, so
 the first call of a signature runs the full door (``validate``) and the planner; later calls
-with the same signature reuse its route. The signature holds everything the checks and the
-decision read, so a hit is a call the full path has already accepted and would decide the same
-way. Only routes that carry nothing of the first call's tensors are kept (SDPA's and the
-decode kernel's; the block-sparse and Triton routes hold per-call jobs). Measured on a GQA
-decode step (benchmarks/RESULTS.md, issue 10): validate + decide cost ~15 us a call, the
-lookup ~2 us.
+with the same signature run its route as a function of the tensors alone (the backend's
+``runner``: no problem object, nothing decided again). The signature holds everything the
+checks and the decision read, so a hit is a call the full path has already accepted and would
+decide the same way. Only backends whose routes carry nothing of the first call's tensors
+give runners (SDPA and the decode kernel; the block-sparse and Triton routes hold per-call
+jobs). Measured on a GQA decode step (benchmarks/RESULTS.md, issue 10): validate + decide
+cost ~15 us a call, the lookup ~2 us; inside a model, where the weights streaming past evict
+Python's own data between calls, every line of this path costs several times more.
 """
 
 from __future__ import annotations
@@ -17,15 +19,12 @@ from __future__ import annotations
 import torch
 
 from . import planner
-from ._kinds import NO_MASK, NO_SCORE
-from ._problem import Problem
 from .backends import BACKENDS
-from .backends.base import Route
+from .backends.base import Runner
 
 Tensor = torch.Tensor
 
-_ROUTES: dict[tuple[object, ...], tuple[str, Route, float]] = {}
-_KEPT = ("sdpa", "decode")  # routes that carry nothing of the call that made them
+_ROUTES: dict[tuple[object, ...], Runner] = {}
 _MAX = 512  # signatures kept (a model's layers share one; decoding adds one per length)
 
 
@@ -45,30 +44,19 @@ def signature(
     )  # fmt: skip
 
 
-def lookup(
-    key: tuple[object, ...], q: Tensor, k: Tensor, v: Tensor, return_lse: bool
-) -> tuple[str, Problem, Route] | None:
-    """The cached decision for ``key`` with a problem of these tensors, or ``None``."""
-    got = _ROUTES.get(key)
-    if got is None:
-        return None
-    name, route, scale = got
-    p = Problem(
-        q=q, k=k, v=v, mask=NO_MASK, score=NO_SCORE, scale=scale, dropout_p=0.0,
-        return_lse=return_lse, orig_ndim=4,
-    )  # fmt: skip
-    return name, p, route
+def lookup(key: tuple[object, ...]) -> Runner | None:
+    """The runner of the route decided for ``key`` before, or ``None``."""
+    return _ROUTES.get(key)
 
 
 def keep(key: tuple[object, ...], plan: planner.Plan) -> None:
-    """Remember a plan made by the full path for ``key`` when its route can be reused."""
-    route = plan.route
-    if route.detail is not None or route.block is not None or plan.backend not in _KEPT:
+    """Remember a plan made by the full path for ``key`` when its backend can repeat its route
+    from the tensors alone (:meth:`qkv.backends.base.Backend.runner`)."""
+    if plan.problem.mask.kind != "none" or plan.problem.score.kind != "none":
+        return
+    runner = BACKENDS[plan.backend].runner(plan.problem, plan.route)
+    if runner is None:
         return
     if len(_ROUTES) >= _MAX:
         _ROUTES.clear()
-    _ROUTES[key] = (plan.backend, route, plan.problem.scale)
-
-
-def run(name: str, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-    return BACKENDS[name].run(p, route)
+    _ROUTES[key] = runner

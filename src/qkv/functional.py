@@ -74,9 +74,9 @@ def attention(
     key = None
     if mask is None and score_mod is None and recorder is None and _no_dropout(dropout_p):
         key = _plain.signature(q, k, v, scale, return_lse, backend)
-        hit = None if key is None else _plain.lookup(key, q, k, v, return_lse)
-        if hit is not None:  # this signature was validated and planned before
-            out, lse = _plain.run(*hit)
+        runner = None if key is None else _plain.lookup(key)
+        if runner is not None:  # this signature was validated and planned before
+            out, lse = runner(q, k, v)
             return out if not return_lse else (out, lse)  # type: ignore[return-value]
     p = validate(
         q,

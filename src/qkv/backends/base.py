@@ -15,6 +15,7 @@ A new backend is one file implementing this class plus one line in ``backends/__
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +24,7 @@ import torch
 from .._problem import Problem
 
 Tensor = torch.Tensor
+Runner = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +66,13 @@ class Backend(ABC):
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         """Execute ``route``: ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` float32 when
         ``p.return_lse`` (else ``None``)."""
+
+    def runner(self, p: Problem, route: Route) -> Runner | None:
+        """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
+        signature without a mask or score_mod (:mod:`qkv._plain`): everything but the tensors
+        is bound once. ``None`` (the default) when the route holds per-call work. A runner
+        returns what :meth:`run` returns (``lse`` may be given even when not asked for)."""
+        return None
 
 
 def score_bytes(p: Problem, copies: int) -> int:

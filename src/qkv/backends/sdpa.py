@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .._dense import dense_mask
 from .._problem import Problem
-from .base import Backend, Route, score_bytes
+from .base import Backend, Route, Runner, score_bytes
 
 Tensor = torch.Tensor
 
@@ -75,13 +75,7 @@ class SdpaBackend(Backend):
                 bias = bias.masked_fill(~attn_mask, float("-inf"))
             attn_mask = bias
         if _folds_groups(p):
-            # One query row per head, no mask: a kv head's query heads are just more rows of
-            # one problem, so SDPA runs on the kv heads as they are (a view, no GQA expansion:
-            # 10-15% faster than enable_gqa at 1k-4k cached keys, measured in RESULTS.md).
-            B, Hkv = p.B, p.Hkv
-            qf = q.reshape(B, Hkv, p.groups, p.D)  # [B, Hkv, g, D]: a view of [B, Hq, 1, D]
-            of = F.scaled_dot_product_attention(qf, k, v, scale=p.scale)  # [B, Hkv, g, Dv]
-            return of.reshape(B, p.Hq, 1, p.Dv), None  # [B, Hq, 1, Dv]
+            return _folded(p)(q, k, v)
         kwargs = {}
         if p.groups > 1:
             if _NATIVE_GQA:
@@ -100,6 +94,35 @@ class SdpaBackend(Backend):
             **kwargs,
         )  # [B, Hq, Lq, Dv]
         return out, None
+
+    def runner(self, p: Problem, route: Route) -> Runner | None:
+        if p.mask.kind != "none" or p.score.kind != "none" or p.dropout_p > 0:
+            return None
+        if _folds_groups(p):
+            return _folded(p)
+        if p.groups > 1 and not _NATIVE_GQA:
+            return None
+        gqa = p.groups > 1
+        scale = p.scale
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa), None
+
+        return run
+
+
+def _folded(p: Problem) -> Runner:
+    """One query row per head, no mask: a kv head's query heads are just more rows of one
+    problem, so SDPA runs on the kv heads as they are (a view, no GQA expansion: 10-15% faster
+    than enable_gqa at 1k-4k cached keys on one thread, measured in RESULTS.md)."""
+    B, Hkv, g, D, Hq, Dv, scale = p.B, p.Hkv, p.groups, p.D, p.Hq, p.Dv, p.scale
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        qf = q.reshape(B, Hkv, g, D)  # [B, Hkv, g, D]: a view of [B, Hq, 1, D]
+        of = F.scaled_dot_product_attention(qf, k, v, scale=scale)  # [B, Hkv, g, Dv]
+        return of.reshape(B, Hq, 1, Dv), None  # [B, Hq, 1, Dv]
+
+    return run
 
 
 def _folds_groups(p: Problem) -> bool:

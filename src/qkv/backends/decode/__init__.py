@@ -28,7 +28,7 @@ import torch
 from ..._kinds import MaskKind
 from ..._problem import Problem
 from ...native import NativeLibrary
-from ..base import Backend, Route, Unavailable
+from ..base import Backend, Route, Runner, Unavailable
 
 Tensor = torch.Tensor
 
@@ -132,33 +132,37 @@ class DecodeBackend(Backend):
         out, lse = forward(p)
         return out, (lse if p.return_lse else None)
 
+    def runner(self, p: Problem, route: Route) -> Runner | None:
+        return _bound(p) if p.mask.kind == "none" else None
+
 
 def forward(p: Problem, splits: int = 0) -> tuple[Tensor, Tensor]:
     """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (float32; 0 and ``-inf`` on rows that
     see no key). ``splits`` > 0 forces the number of key splits per (batch, kv head), for tests;
-    0 lets the kernel choose. (Every call of a decoder comes here: it stays lean.)"""
+    0 lets the kernel choose."""
     if p.device.type == "meta":
         return _fake(p.q, p.k, p.v)
-    if p.mask.kind == "none":
-        far = p.Lq + p.Lk
-        lo, hi, start, end = -far, far, _EMPTY, _EMPTY
-    else:
-        ranges = key_ranges(p.mask, p.B, p.Lq, p.Lk)
-        assert ranges is not None, "the planner sends only masks of one key run per row here"
-        lo, hi, s, e = ranges
-        start, end = (_EMPTY, _EMPTY) if s is None or e is None else (s, e)
-    op = _OP[0] if _OP else _operator()
-    res: tuple[Tensor, Tensor] = op(p.q, p.k, p.v, start, end, lo, hi, p.scale, splits)
-    return res
+    out, lse = _bound(p, splits)(p.q, p.k, p.v)
+    assert lse is not None
+    return out, lse
 
 
-def _operator() -> Any:
-    """The loaded operator (kept after the first call: the library's lookup costs ~1 us)."""
+def _bound(p: Problem, splits: int = 0) -> Runner:
+    """The kernel with everything of ``p`` but its tensors bound: ``(q, k, v) -> (out, lse)``
+    for any call of ``p``'s shapes and mask (a decoder's repeat calls run this alone)."""
+    ranges = key_ranges(p.mask, p.B, p.Lq, p.Lk)
+    assert ranges is not None, "the planner sends only masks of one key run per row here"
+    lo, hi, s, e = ranges
+    start, end = (_EMPTY, _EMPTY) if s is None or e is None else (s, e)
     ops = LIBRARY.ops()
     assert ops is not None, "route() checked that the kernel is loaded"
-    _OP.append(ops.decode_forward.default)
-    return _OP[0]
+    op, scale = ops.decode_forward.default, p.scale
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        res: tuple[Tensor, Tensor] = op(q, k, v, start, end, lo, hi, scale, splits)
+        return res
+
+    return run
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-_OP: list[Any] = []
