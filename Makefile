@@ -62,13 +62,14 @@ AVX2_ENV = ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_
 ORACLE_TESTS = tests/test_backends.py tests/test_blocksparse_oracle.py \
   tests/test_blocksparse_gradients.py tests/test_blocksparse_dropout.py tests/test_native.py \
   tests/test_inspect.py tests/test_modules_torch.py tests/test_modules.py tests/test_precision.py \
-  tests/test_quantized.py
+  tests/test_quantized.py tests/test_decode.py
 ORACLE_RERUN = -k 'not (test_backend_matches_oracle and (reference or auto or triton)) \
   and not test_torch_compile_cpu and not test_the_decoder_falls_back'
-# qkv's kernel for GGUF blocks (models/kernels/quant.cpp) has a portable variant too, built
-# when torch dispatches to no vector ISA: its oracle tests once more as such a CPU runs them.
+# qkv's kernels for GGUF blocks (models/kernels/quant.cpp) and for decoding
+# (backends/decode/kernels/decode.cpp) have portable variants too, built when torch dispatches
+# to no vector ISA: their oracle tests once more as such a CPU runs them.
 PORTABLE_ENV = ATEN_CPU_CAPABILITY=default
-PORTABLE_TESTS = tests/test_quantized.py -k 'not test_the_decoder_falls_back'
+PORTABLE_TESTS = tests/test_quantized.py tests/test_decode.py -k 'not test_the_decoder_falls_back'
 
 unit: $(BIN)/.installed-test browser
 	$(BIN)/python -m pytest
@@ -76,7 +77,7 @@ unit: $(BIN)/.installed-test browser
 	  echo "the oracle matrices again, as a CPU without AVX-512: $(AVX2_ENV)"; \
 	  $(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(ORACLE_RERUN) $(ORACLE_TESTS); \
 	fi
-	@echo "the GGUF block kernel's oracle tests again, portable build: $(PORTABLE_ENV)"
+	@echo "the GGUF block and decode kernels' oracle tests again, portable build: $(PORTABLE_ENV)"
 	$(PORTABLE_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
 
 test: lint typecheck unit

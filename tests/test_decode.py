@@ -15,6 +15,7 @@ import functools
 import logging
 import re
 import shutil
+import statistics
 import zlib
 
 import pytest
@@ -122,10 +123,24 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
 @pytest.mark.parametrize("scale", [-0.3, 3.0])
 def test_negative_scale_and_large_logits(scale):
     """The row maximum is taken after scaling (a negative scale flips it), and logits of a
-    few hundred stay finite."""
-    q, k, v = make_qkv(Shape(1, 4, 2, 1, 500, 32), gen=2)
-    comparisons = compare_to_oracle(decode, q * 10, k, v, scale=scale, grads=False)
-    assert_matches_oracle(comparisons)
+    few hundred stay finite and as accurate as plain PyTorch's.
+
+    Compared over 16 draws rather than one: at logits of ~500 a float32 score is off by up to
+    half an ulp (3e-5) whoever computes it, and which of two float32 computations lands nearer
+    the float64 oracle on one draw is luck (measured over 40 draws: median and largest errors
+    equal to plain PyTorch's, each side 2x+ better than the other on a few draws)."""
+    errors: dict[str, tuple[list[float], list[float]]] = {"out": ([], []), "lse": ([], [])}
+    for seed in range(16):
+        q, k, v = make_qkv(Shape(1, 4, 2, 1, 500, 32), gen=seed)
+        for c in compare_to_oracle(decode, q * 10, k, v, scale=scale, grads=False):
+            assert c.err < 1e-3, c  # finite, and the right maximum
+            errors[c.name][0].append(c.err)
+            errors[c.name][1].append(c.plain_err)
+    ulp = 6.2e-5  # of a float32 lse between 512 and 1024: lse errors come in these steps
+    for name, (ours, plain) in errors.items():
+        floor = ulp if name == "lse" else 1e-6
+        assert statistics.median(ours) <= 2 * statistics.median(plain) + floor, name
+        assert max(ours) <= 2 * max(plain) + floor, name
 
 
 @needs_compiler
