@@ -43,6 +43,10 @@ _CAPABILITY_FLAGS = {
 }
 
 
+# qkv_cpu.h: the ISA defines and ATen includes every kernel source starts with.
+_INCLUDE = Path(__file__).parent / "include"
+
+
 def capability() -> str:
     """The CPU capability torch dispatches to: "AVX512", "AVX2" or "DEFAULT"."""
     try:
@@ -81,12 +85,19 @@ class NativeLibrary:
     # ----------------------------------------------------------------------- the build
 
     def flags(self) -> list[str]:
-        return ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), []), *self.extra_cflags]
+        return [
+            "-O3",
+            "-fopenmp",
+            f"-I{_INCLUDE}",
+            *_CAPABILITY_FLAGS.get(capability(), []),
+            *self.extra_cflags,
+        ]
 
     def stamp(self) -> str:
-        """What the library was built from: the sources, the flags, torch and Python."""
+        """What the library was built from: the sources and qkv's shared headers, the flags,
+        torch and Python."""
         h = hashlib.sha256()
-        for src in self.sources:
+        for src in (*self.sources, *sorted(_INCLUDE.glob("*.h"))):
             h.update(src.read_bytes())
         h.update(repr((self.flags(), torch.__version__, sys.version_info[:2])).encode())
         return h.hexdigest()[:20]

@@ -21,26 +21,9 @@
 // to the order of its float32 sums. Products with x accumulate in float32 (FMA where the CPU
 // has it).
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define QKV_AVX512 1
-#define CPU_CAPABILITY_AVX512 1
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QKV_AVX2 1
-#define CPU_CAPABILITY_AVX2 1
-#define CPU_CAPABILITY AVX2
-#endif
+#include "qkv_cpu.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
-
-#if defined(QKV_AVX512) || defined(QKV_AVX2)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -76,7 +59,7 @@ inline float half_at(const uint8_t* p) {
 // A block's 32 weights as W vectors of L floats (ATen's Vectorized: 16 lanes on AVX-512, 8 on
 // AVX2 and in the portable build), in weight order.
 
-using Vec = at::vec::Vectorized<float>;
+using qkv_cpu::Vec;
 constexpr int L = Vec::size(), W = QK / L;
 
 #if defined(QKV_AVX512)

@@ -14,24 +14,9 @@
 // keys its rows can see (M + hi - lo columns), and only the two triangles at the ends of that
 // span are masked. One pass per block: the span is short, so no online rescaling is needed.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512 1
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2 1
-#define CPU_CAPABILITY AVX2
-#endif
+#include "qkv_cpu.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/library.h>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +26,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using qkv_cpu::Vec;
 
 #if defined(__AVX2__)
 // One 8x8 tile: dst[c * ldd + r] = src[r * lds + c] for r, c < 8 (unpack, shuffle, permute).

@@ -19,23 +19,7 @@
 // causal, sliding windows (bands) and right/left padding (per-batch key ranges), and their
 // intersections. Rows that see no key get output 0 and lse -inf.
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512 1
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2 1
-#define CPU_CAPABILITY AVX2
-#endif
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "qkv_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,15 +28,15 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using qkv_cpu::Vec;
 constexpr int64_t MAX_ROWS = 16;  // rows per kv head (G * Lq); the Python side checks it too
 constexpr int64_t TILE = 64;      // keys scored at a time (the score tile stays in L1)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline float hsum(Vec x) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(QKV_AVX512)
   return _mm512_reduce_add_ps(x);
-#elif defined(CPU_CAPABILITY_AVX2)
+#elif defined(QKV_AVX2)
   const __m256 v = x;
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -1,0 +1,36 @@
+// What every qkv CPU kernel source includes first: the vector ISA it is built for, then ATen.
+//
+// qkv.native builds each library for the capability torch dispatches to (-mavx512f... or
+// -mavx2 -mfma -mf16c, or nothing) and puts this folder on the include path. ATen's
+// Vectorized<float> picks its AVX-512 / AVX2 implementation from CPU_CAPABILITY_*, which
+// torch's own build defines per compilation unit; an extension must define it itself, before
+// the first ATen include, or Vectorized falls back to its scalar emulation.
+//
+//   QKV_AVX512 / QKV_AVX2   set when the matching intrinsics may be used directly
+//   Vec                     at::vec::Vectorized<float>
+
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define QKV_AVX512 1
+#define CPU_CAPABILITY_AVX512 1
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QKV_AVX2 1
+#define CPU_CAPABILITY_AVX2 1
+#define CPU_CAPABILITY AVX2
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#if defined(QKV_AVX512) || defined(QKV_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace qkv_cpu {
+using Vec = at::vec::Vectorized<float>;
+}  // namespace qkv_cpu
