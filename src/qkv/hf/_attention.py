@@ -14,6 +14,7 @@ lse: ``out * exp(lse - logaddexp(lse, sink))``, which is what an extra softmax c
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 import torch
@@ -154,7 +155,8 @@ def _collected() -> Any:
     if not _COLLECTOR:  # looked up once: an import statement per layer call costs ~1 us
         var: Any = None  # a transformers without the collector: the keyword only
         with contextlib.suppress(ImportError):
-            from transformers.utils.output_capturing import _active_collector as var
+            module = importlib.import_module("transformers.utils.output_capturing")
+            var = getattr(module, "_active_collector", None)
         _COLLECTOR.append(var)
     got = _COLLECTOR[0]
     return None if got is None else got.get()
