@@ -210,7 +210,7 @@ def test_repeat_calls_reuse_the_decision():
     q, k, v = make_qkv(Shape(1, 9, 3, 1, 64, 64), gen=5)
     qkv._plain._ROUTES.clear()
     first = qkv.attention(q, k, v)
-    key = qkv._plain.signature(q, k, v, None, False, "auto")
+    key = qkv._plain.signature(q, k, v, None, None, False, "auto")
     assert key is not None and key in qkv._plain._ROUTES
     assert qkv.plan(q, k, v).backend == "decode"
     torch.testing.assert_close(qkv.attention(q, k, v), first, rtol=0, atol=0)

@@ -213,6 +213,48 @@ def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
     assert len(_plain._ROUTES) == before
 
 
+@pytest.mark.parametrize(
+    "mask",
+    [qkv.causal, qkv.sliding_window(5), qkv.sliding_window(3, 2)],
+    ids=["causal", "window", "window_both"],
+)
+@pytest.mark.parametrize("shape", [(1, 8, 2, 40, 40), (2, 9, 3, 1, 30)], ids=["prefill", "decode"])
+def test_repeat_calls_with_a_band_mask_reuse_the_decision(monkeypatch, mask, shape):
+    """A band mask object (what every layer of a forward shares) is part of the signature:
+    where the route has a runner (SDPA's is_causal, the decode kernel) its second call skips
+    the door, gives the first call's numbers and the oracle's; another band object is another
+    signature; a mask of another kind always takes the full path."""
+    from qkv import _plain, functional
+
+    _plain._ROUTES.clear()
+    B, Hq, Hkv, Lq, Lk = shape
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, Lq, 16, generator=gen)
+    k, v = (torch.randn(B, Hkv, Lk, 16, generator=gen) for _ in range(2))
+    calls = []
+    real = functional.validate
+    monkeypatch.setattr(functional, "validate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    backend = qkv.plan(q, k, v, mask=mask).backend
+    first = qkv.attention(q, k, v, mask=mask)
+    second = qkv.attention(q, k, v, mask=mask)
+    if backend in ("sdpa", "decode"):
+        assert len(calls) == 1, "the second call of the signature validated again"
+    else:  # blocksparse's routes hold per-call jobs: no runner is kept
+        assert backend == "blocksparse" and len(calls) == 2
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    torch.testing.assert_close(second, qkv.attention(q, k, v, mask=mask, backend="reference"))
+    other = qkv.sliding_window(1)
+    torch.testing.assert_close(
+        qkv.attention(q, k, v, mask=other), qkv.attention(q, k, v, mask=other, backend="reference")
+    )
+    doc = qkv.document(torch.arange(Lq) // 4)
+    if Lq == Lk:
+        before = len(calls)
+        qkv.attention(q, k, v, mask=qkv.and_masks(mask, doc))
+        qkv.attention(q, k, v, mask=qkv.and_masks(mask, doc))
+        assert len(calls) == before + 2  # not a band: the full path each time
+
+
 def test_repeat_calls_follow_the_dense_limit():
     from qkv import _plain
 

@@ -72,8 +72,8 @@ def attention(
     """
     recorder = _recording.current()  # qkv.inspect.record(): None unless recording
     key = None
-    if mask is None and score_mod is None and recorder is None and _no_dropout(dropout_p):
-        key = _plain.signature(q, k, v, scale, return_lse, backend)
+    if score_mod is None and recorder is None and _no_dropout(dropout_p):
+        key = _plain.signature(q, k, v, mask, scale, return_lse, backend)
         runner = None if key is None else _plain.lookup(key)
         if runner is not None:  # this signature was validated and planned before
             out, lse = runner(q, k, v)

@@ -96,17 +96,19 @@ class SdpaBackend(Backend):
         return out, None
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        if p.mask.kind != "none" or p.score.kind != "none" or p.dropout_p > 0:
+        if p.mask.kind not in ("none", "causal") or p.score.kind != "none" or p.dropout_p > 0:
             return None
         if _folds_groups(p):
             return _folded(p)
         if p.groups > 1 and not _NATIVE_GQA:
             return None
-        gqa = p.groups > 1
-        scale = p.scale
+        gqa, causal, scale = p.groups > 1, p.mask.kind == "causal", p.scale
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa), None
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
+            )  # [B, Hq, Lq, Dv]
+            return out, None
 
         return run
 

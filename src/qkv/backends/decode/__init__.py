@@ -133,7 +133,7 @@ class DecodeBackend(Backend):
         return out, (lse if p.return_lse else None)
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        return _bound(p) if p.mask.kind == "none" else None
+        return _bound(p) if p.mask.kind in ("none", "causal", "band") else None
 
 
 def forward(p: Problem, splits: int = 0) -> tuple[Tensor, Tensor]:
