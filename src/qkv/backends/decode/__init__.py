@@ -32,7 +32,7 @@ from ..base import Backend, Route, Runner, Unavailable
 
 Tensor = torch.Tensor
 
-__all__ = ["MAX_ROWS", "DecodeBackend", "key_ranges"]
+__all__ = ["MAX_ROWS", "DecodeBackend", "key_ranges", "one_run_per_row"]
 
 # Query rows per kv head (G * Lq) the kernel takes. Measured against SDPA (2 threads, D=64,
 # 64-4096 keys): 0.3-0.8x its time up to 16 rows; at 32 rows it was 0.9-1.2x (the kernel
@@ -53,12 +53,25 @@ LIBRARY = NativeLibrary(
 )
 
 
+_RUN_KINDS = ("none", "causal", "band", "padding")  # kinds whose rows see one run of keys
+
+
+def one_run_per_row(m: MaskKind) -> bool:
+    """True when every row of ``m`` sees one contiguous run of keys (what the kernel takes),
+    read from the kind alone: nothing is built."""
+    parts = m.parts if m.kind == "and" else (m,)
+    return all(part.kind in _RUN_KINDS for part in parts)
+
+
 def key_ranges(
     m: MaskKind, B: int, Lq: int, Lk: int
 ) -> tuple[int, int, Tensor | None, Tensor | None] | None:
     """The mask as ``(lo, hi, start, end)``: row ``i`` of batch ``b`` sees the keys ``j`` with
     ``lo <= j - i <= hi`` and ``start[b] <= j < end[b]`` (``start``/``end`` int64 ``[B]`` or
-    ``None`` for all keys); ``None`` when the mask is not of that form."""
+    ``None`` for all keys); ``None`` when the mask is not of that form
+    (:func:`one_run_per_row`)."""
+    if not one_run_per_row(m):
+        return None
     far = Lq + Lk  # "unbounded": beyond every key of every row, and no overflow in C++
     lo, hi = -far, far
     start: Tensor | None = None
@@ -74,11 +87,9 @@ def key_ranges(
             assert part.limit is not None
             e = torch.as_tensor(part.limit, dtype=torch.int64).expand(B)
             s = torch.zeros(B, dtype=torch.int64) if part.start is None else part.start
-            e, s = e.to("cpu", torch.int64), s.to("cpu", torch.int64)
+            e, s = (t.to("cpu", torch.int64).contiguous() for t in (e, s))
             start = s if start is None else torch.maximum(start, s)
             end = e if end is None else torch.minimum(end, e)
-        else:
-            return None
     return lo, hi, start, end
 
 
@@ -107,7 +118,7 @@ class DecodeBackend(Backend):
             return "it applies no dropout"
         if p.requires_grad():
             return "it has no backward (a call that needs gradients goes elsewhere)"
-        if p.mask.kind != "none" and key_ranges(p.mask, p.B, p.Lq, p.Lk) is None:
+        if not one_run_per_row(p.mask):
             return f"the mask ({p.mask.name}) does not give each row one contiguous run of keys"
         return LIBRARY.disabled()
 

@@ -174,8 +174,9 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q_, const at
 
   // Each row's visible keys [ra, re): the band around its query index, the batch's range.
   std::vector<int64_t> ra(B * R), re(B * R);
-  const int64_t* sp = ranged ? start.contiguous().data_ptr<int64_t>() : nullptr;
-  const int64_t* ep = ranged ? end.contiguous().data_ptr<int64_t>() : nullptr;
+  const at::Tensor starts = start.contiguous(), ends = end.contiguous();  // alive below
+  const int64_t* sp = ranged ? starts.data_ptr<int64_t>() : nullptr;
+  const int64_t* ep = ranged ? ends.data_ptr<int64_t>() : nullptr;
   int64_t u0 = Lk, u1 = 0;  // the union of all rows' ranges: what the splits divide
   for (int64_t b = 0; b < B; ++b) {
     const int64_t b0 = ranged ? std::max<int64_t>(0, sp[b]) : 0;
@@ -197,10 +198,11 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q_, const at
   // item per (batch, kv head) when the whole call is too small to be worth a parallel region
   // (measured: below ~2k key-rows the threads' start costs more than they save).
   const int64_t threads = at::get_num_threads();
+  const bool small = B * Hkv * span * R < 2048;
   int64_t S = splits;
   if (S <= 0) {
     S = 1;
-    if (threads > 1 && B * Hkv * span * R >= 2048) {
+    if (threads > 1 && !small) {
       S = (4 * threads + B * Hkv - 1) / (B * Hkv);
       S = std::min(S, std::max<int64_t>(1, span / 64));
     }
@@ -224,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q_, const at
               &M[it * R], &L[it * R], &A[it * R * Dv]);
     }
   };
-  if (S == 1 && splits <= 0 && B * Hkv * span * R < 2048) {
+  if (S == 1 && splits <= 0 && small) {
     work(0, items);  // too small for a parallel region: it would cost more than it saves
   } else {
     at::parallel_for(0, items, 1, work);
