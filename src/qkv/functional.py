@@ -55,8 +55,9 @@ def attention(
         return_lse: also return ``lse [B, Hq, Lq]`` (float32), the natural log of each row's
             softmax denominator; ``-inf`` for fully masked rows.
         backend: ``"auto"`` (default: the fastest backend that computes this exactly),
-            ``"sdpa"``, ``"triton"`` (CUDA tensors), ``"blocksparse"`` or ``"reference"``.
-            :func:`qkv.plan` says which runs and why.
+            ``"sdpa"``, ``"decode"`` (CPU float32, at most 16 query rows per kv head, no
+            gradient: qkv's split-key decode kernel), ``"triton"`` (CUDA tensors),
+            ``"blocksparse"`` or ``"reference"``. :func:`qkv.plan` says which runs and why.
 
     Returns:
         ``out [B, Hq, Lq, Dv]`` in q's dtype, or ``(out, lse)``. Half-precision inputs are
