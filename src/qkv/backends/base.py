@@ -70,8 +70,9 @@ class Backend(ABC):
     def runner(self, p: Problem, route: Route) -> Runner | None:
         """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
         signature with no score_mod and no mask or a band mask (:mod:`qkv._plain`): everything
-        but the tensors is bound once. ``None`` (the default) when the route holds per-call work. A runner
-        returns what :meth:`run` returns (``lse`` may be given even when not asked for)."""
+        but the tensors is bound once. ``None`` (the default) when the route holds per-call
+        work. A runner returns what :meth:`run` returns (``lse`` may be given even when not
+        asked for)."""
         return None
 
 
