@@ -61,6 +61,17 @@ OTHER_DTYPES = [torch.float16, torch.float64]
 # Every name `backend=` takes. test_backends checks that qkv's own error message lists
 # exactly these, so a new backend cannot miss the oracle matrix.
 BACKENDS = ["auto", "decode", "sdpa", "triton", "blocksparse", "reference"]
+# Memory layouts of the same values (the contract: the answer never depends on them):
+# - contiguous;
+# - transposed: stored [.., D, L] and viewed back (last-dim stride L, as x.mT gives);
+# - every_other: every other element of a wider buffer (x[..., ::2]: last-dim stride 2);
+# - permuted: stored [L, B, H, D] (a [B, L, H, D] projection viewed as heads);
+# - offset: a view 7 elements into its storage;
+# - expanded: one head expanded over all (stride 0 along heads; the values change, as a
+#   user's expanded tensor's do, and the oracle sees the same tensor).
+# "every_other" and "offset" fill the storage they skip with NaN, so a kernel that reads
+# outside its view fails loudly instead of quietly.
+LAYOUTS = ["contiguous", "transposed", "every_other", "permuted", "offset", "expanded"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,28 @@ def make_qkv(
     if requires_grad:
         out = tuple(t.requires_grad_() for t in out)
     return out  # type: ignore[return-value]
+
+
+def lay_out(t: Tensor, layout: str) -> Tensor:
+    """``t [B, H, L, X]`` (contiguous) in the memory ``layout`` (one of :data:`LAYOUTS`), as a
+    view that autograd can differentiate through to ``t``."""
+    if layout == "contiguous":
+        return t
+    if layout == "transposed":
+        return t.detach().mT.contiguous().mT.requires_grad_(t.requires_grad)
+    if layout == "every_other":
+        wide = torch.stack([t.detach(), torch.full_like(t.detach(), float("nan"))], dim=-1)
+        return wide[..., 0].requires_grad_(t.requires_grad)  # [B, H, L, X], stride(-1) == 2
+    if layout == "permuted":
+        stored = t.detach().permute(2, 0, 1, 3).contiguous()  # [L, B, H, X]
+        return stored.permute(1, 2, 0, 3).requires_grad_(t.requires_grad)  # [B, H, L, X]
+    if layout == "offset":
+        buf = torch.full((t.numel() + 7,), float("nan"), dtype=t.dtype, device=t.device)
+        buf[7:].copy_(t.detach().reshape(-1))
+        return buf[7:].view(t.shape).requires_grad_(t.requires_grad)
+    if layout == "expanded":
+        return t.detach()[:, :1].expand(t.shape).requires_grad_(t.requires_grad)
+    raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
 
 
 def index_tensors(

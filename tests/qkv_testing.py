@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import qkv
+from catalogue import lay_out
 
 # private on purpose: the plain baseline runs on qkv's own normalised problem (unbatched inputs,
 # GQA groups), and the oracle's lse comes from qkv.reference.forward
@@ -107,11 +108,13 @@ def compare_to_oracle(
     grads: bool = True,
     extra_params: tuple[Tensor, ...] = (),
     seed: int = 0,
+    grad_layout: str = "contiguous",
 ) -> list[Comparison]:
     """Run ``fn(q, k, v, mask=, score_mod=, scale=)`` (returning ``out`` or ``(out, lse)``) and
     check out, lse (when returned) and the gradients of q, k, v (and of a bias tensor or the
     ``extra_params`` a score_mod closes over) against the float64 oracle, with a random
-    upstream gradient.
+    upstream gradient laid out in memory as ``grad_layout`` (:data:`catalogue.LAYOUTS`).
+    q, k and v keep their own layouts.
 
     Returns the comparisons; callers assert ``all(c.ok for c in result)``."""
     dtype = q.dtype
@@ -125,7 +128,7 @@ def compare_to_oracle(
     out, lse = result if isinstance(result, tuple) else (result, None)
     po, plse = plain_attention(qf, kf, vf, score_mod=bf, **kw)
     gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    do = lay_out(torch.randn(out.shape, generator=gen, dtype=torch.float64), grad_layout)
     wrt = [qf, kf, vf, *([bf] if bias is not None else []), *extra_params]
     g_fast: tuple[Tensor | None, ...] = ()
     g_plain: tuple[Tensor | None, ...] = ()
@@ -154,7 +157,8 @@ def compare_to_oracle(
         Comparison("out", _maxerr(out, oo), _maxerr(po, oo), 2.0, floor),
     ]
     if lse is not None:
-        assert lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}"
+        want = torch.float64 if dtype == torch.float64 else torch.float32
+        assert lse.dtype == want, f"lse must be {want} for {dtype} inputs, got {lse.dtype}"
         res.append(Comparison("lse", _maxerr(lse, olse), _maxerr(plse, olse), 2.0, floor))
     if not grads:
         return res

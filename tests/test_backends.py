@@ -2,10 +2,11 @@
 
 The matrix covers each value of each axis (batch, head grouping, lengths with Lq != Lk, head
 dims with Dv != D, every built-in mask and score mod, bool tensors, arbitrary mask_mods, fully
-masked rows, fp32 and bf16) by cycling every axis at a different stride, so the cases mix the
-axes without running the full product. Each case checks the output, the lse where the
-backend returns one, and the gradients of q, k, v and of any bias / score_mod table, with a
-random upstream gradient.
+masked rows, fp32 and bf16, and memory layouts of q, k, v and the upstream gradient: strided
+last dims, transposed and permuted storage, offset views, expanded heads) by cycling every axis
+at a different stride, so the cases mix the axes without running the full product. Each case
+checks the output, the lse where the backend returns one, and the gradients of q, k, v and of
+any bias / score_mod table, with a random upstream gradient.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from catalogue import (
     DIM_PAIRS,
     DTYPES,
     HEADS,
+    LAYOUTS,
     LENGTH_PAIRS,
     SHAPES,
     Shape,
+    lay_out,
     make_mask,
     make_qkv,
     make_score,
@@ -62,23 +65,25 @@ class Case:
     mask: str
     score: str
     dtype: torch.dtype
+    layout: str = "contiguous"  # of q, k, v and the upstream gradient (catalogue.LAYOUTS)
 
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
-        return f"{self.shape}-{self.mask}-{self.score}-{dt}"
+        lay = "" if self.layout == "contiguous" else f"-{self.layout}"
+        return f"{self.shape}-{self.mask}-{self.score}-{dt}{lay}"
 
 
 def _cases(n: int) -> list[Case]:
-    axes = [BATCHES, HEADS, LENGTH_PAIRS, DIM_PAIRS, MASKS, SCORES, DTYPES]
+    axes = [BATCHES, HEADS, LENGTH_PAIRS, DIM_PAIRS, MASKS, SCORES, DTYPES, LAYOUTS]
     out = []
     for i in range(n):
         # Every axis cycles through its values; the axes have different lengths, so the
         # combinations keep changing while every value of every axis shows up.
         pick = [ax[(i + 3 * j) % len(ax)] for j, ax in enumerate(axes)]
-        B, (Hq, Hkv), (Lq, Lk), (D, Dv), mask, score, dtype = pick
+        B, (Hq, Hkv), (Lq, Lk), (D, Dv), mask, score, dtype, layout = pick
         if Lq * Lk > 100_000:
             B = 1  # keep the float64 oracle of the long cases cheap
-        out.append(Case(Shape(B, Hq, Hkv, Lq, Lk, D, Dv), mask, score, dtype))
+        out.append(Case(Shape(B, Hq, Hkv, Lq, Lk, D, Dv), mask, score, dtype, layout))
     return out
 
 
@@ -107,7 +112,9 @@ def run_case(case: Case, backend: str) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(str(case).encode()))
     # Triton's kernels run on the GPU where there is one (compiled), else in its interpreter.
     dev = "cuda" if backend == "triton" and torch.cuda.is_available() else None
-    q, k, v = make_qkv(case.shape, dtype=case.dtype, gen=gen, device=dev)
+    q, k, v = (
+        lay_out(t, case.layout) for t in make_qkv(case.shape, dtype=case.dtype, gen=gen, device=dev)
+    )
     mask = make_mask(case.mask, case.shape, gen, device=dev)
     score_mod, params = make_score(case.score, case.shape, gen, device=dev)
     want_lse = backend != "sdpa"
@@ -123,7 +130,15 @@ def run_case(case: Case, backend: str) -> None:
     grads = backend != "decode"
     assert_matches_oracle(
         compare_to_oracle(
-            fn, q, k, v, mask=mask, score_mod=score_mod, extra_params=params, grads=grads
+            fn,
+            q,
+            k,
+            v,
+            mask=mask,
+            score_mod=score_mod,
+            extra_params=params,
+            grads=grads,
+            grad_layout=case.layout,
         )
     )
 
@@ -159,6 +174,7 @@ def test_matrix_covers_every_axis_value() -> None:
         "mask": {c.mask for c in CASES},
         "score": {c.score for c in CASES},
         "dtype": {c.dtype for c in CASES},
+        "layout": {c.layout for c in CASES},
     }
     assert seen["B"] >= set(BATCHES)
     assert seen["heads"] >= set(HEADS)
@@ -167,6 +183,7 @@ def test_matrix_covers_every_axis_value() -> None:
     assert seen["mask"] >= set(MASKS)
     assert seen["score"] >= set(SCORES)
     assert seen["dtype"] >= set(DTYPES)
+    assert seen["layout"] >= set(LAYOUTS)
     # sdpa must actually run (not only refuse) on a good share of the matrix
     runnable = 0
     for c in CASES:

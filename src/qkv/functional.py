@@ -31,7 +31,9 @@ def attention(
         scores = scores.masked_fill(~mask, -inf)          # mask: True = may attend
         out = scores.softmax(-1) @ v                      # [B, Hq, Lq, Dv]
 
-    with fully masked rows giving 0 instead of NaN.
+    with fully masked rows giving 0 instead of NaN, any finite ``scale`` (zero and negative
+    too), NaN inputs reaching every row that attends to them, and any memory layout of
+    ``q``, ``k``, ``v``.
 
     Args:
         q: queries ``[B, Hq, Lq, D]``; unbatched ``[Hq, Lq, D]`` and ``[Lq, D]`` also work and
@@ -52,8 +54,9 @@ def attention(
         scale: multiplies ``q @ kᵀ``; default ``1 / sqrt(D)``.
         dropout_p: dropout on the attention probabilities (rescaled by ``1 / (1 - p)``).
             Applied whenever it is > 0, as in ``F.scaled_dot_product_attention``.
-        return_lse: also return ``lse [B, Hq, Lq]`` (float32), the natural log of each row's
-            softmax denominator; ``-inf`` for fully masked rows.
+        return_lse: also return ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs),
+            the natural log of each row's softmax denominator; ``-inf`` for fully masked rows,
+            NaN for rows a NaN input reaches.
         backend: ``"auto"`` (default: the fastest backend that computes this exactly),
             ``"sdpa"``, ``"decode"`` (CPU float32, at most 16 query rows per kv head, no
             gradient: qkv's split-key decode kernel), ``"triton"`` (CUDA tensors),
@@ -76,8 +79,9 @@ def attention(
     if score_mod is None and recorder is None and _no_dropout(dropout_p):
         key = _plain.signature(q, k, v, mask, scale, return_lse, backend)
         runner = None if key is None else _plain.lookup(key)
-        if runner is not None:  # this signature was validated and planned before
-            out, lse = runner(q, k, v)
+        res = None if runner is None else runner(q, k, v)
+        if res is not None:  # this signature was validated and planned before
+            out, lse = res
             return out if not return_lse else (out, lse)  # type: ignore[return-value]
     p = validate(
         q,

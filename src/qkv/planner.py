@@ -18,7 +18,7 @@ import torch
 from ._flexplan import plan_notes
 from ._problem import Problem, validate
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import Backend, Route, Unavailable
+from .backends.base import HUGE_LOGIT, Backend, Route, Unavailable, logit_bound
 from .backends.blocksparse.plan import native_band
 
 Tensor = torch.Tensor
@@ -85,6 +85,14 @@ def _auto_skip(name: str, p: Problem) -> str | None:
         )
     if name == "triton" and p.device.type != "cuda":
         return "Triton's interpreter runs on the CPU only for tests (hundreds of times slower)"
+    if name in ("sdpa", "triton") and p.requires_grad():
+        bound = logit_bound(p.q, p.k, p.scale)
+        if bound > HUGE_LOGIT:
+            return (
+                f"logits may reach {bound:.3g} (|q|·|k|·scale); its backward recomputes them "
+                f"against a float32 lse and loses precision beyond {HUGE_LOGIT:g}, where "
+                f"blocksparse redoes the rows with explicit matmuls"
+            )
     if name == "sdpa" and p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
         return (
             "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "

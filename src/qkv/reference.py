@@ -62,7 +62,8 @@ def attention(
 
 
 def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``out [B, Hq, Lq, Dv]``, ``lse [B, Hq, Lq]`` (float32) and ``weights [B, Hq, Lq, Lk]``."""
+    """``out [B, Hq, Lq, Dv]``, ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs) and
+    ``weights [B, Hq, Lq, Lk]``."""
     cdt = p.compute_dtype
     g = p.groups
     mask = dense_mask(p)  # evaluated first: a bad mask_mod fails before any arithmetic
@@ -83,11 +84,13 @@ def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(scores - row_max)  # [B, Hq, Lq, Lk]
     denom = e.sum(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
-    seen = denom > 0
-    safe = torch.where(seen, denom, torch.ones_like(denom))
+    # A row that sees no key has denom 0; a NaN score makes denom NaN, which must stay NaN
+    # (weights, out and lse) rather than pass for a fully masked row.
+    dead = denom == 0
+    safe = torch.where(dead, torch.ones_like(denom), denom)
     weights = e / safe
-    lse = torch.where(seen, torch.log(safe) + row_max, torch.full_like(denom, float("-inf")))
+    lse = torch.where(dead, torch.full_like(denom, float("-inf")), torch.log(safe) + row_max)
 
     probs = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = probs @ v  # [B, Hq, Lq, Dv]
-    return out.to(p.dtype), lse.squeeze(-1).float(), weights
+    return out.to(p.dtype), lse.squeeze(-1), weights

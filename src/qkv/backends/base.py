@@ -24,7 +24,10 @@ import torch
 from .._problem import Problem
 
 Tensor = torch.Tensor
-Runner = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+# A route as a function of the tensors: a Kernel always computes; a Runner may answer
+# ``None``, meaning "these tensors' values need the full path" (see Backend.runner).
+Kernel = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+Runner = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None] | None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,16 +67,55 @@ class Backend(ABC):
 
     @abstractmethod
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-        """Execute ``route``: ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` float32 when
-        ``p.return_lse`` (else ``None``)."""
+        """Execute ``route``: ``out [B, Hq, Lq, Dv]`` and, when ``p.return_lse`` (else
+        ``None``), ``lse [B, Hq, Lq]`` in ``p.compute_dtype`` (float64 for float64 inputs,
+        else float32)."""
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
         """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
         signature with no score_mod and no mask or a band mask (:mod:`qkv._plain`): everything
         but the tensors is bound once. ``None`` (the default) when the route holds per-call
         work. A runner returns what :meth:`run` returns (``lse`` may be given even when not
-        asked for)."""
+        asked for), or ``None`` when these tensors' values call for another decision (the
+        caller then takes the full path)."""
         return None
+
+
+def unit_last_stride(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim is dense (stride 1), else a contiguous copy. torch's
+    fused CPU attention kernels and qkv's Triton kernels index rows with ``stride(-1) == 1``
+    whatever the tensor says, so a transposed or every-other-column view (``x.mT``,
+    ``x[..., ::2]``) must be copied before it reaches them. The copy is differentiable."""
+    if t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+# Beyond this |logit| a backward that recomputes the scores and exponentiates them against a
+# float32 lse (torch's fused SDPA backward, the Triton kernels') loses whole digits: at
+# logits of ~1e4 its gradients were up to 1e5x plain float32 autograd's error (issue 19,
+# tests/test_contract_edges.py). The block-sparse engine redoes such rows with explicit
+# matmuls; auto sends problems that may reach it there.
+HUGE_LOGIT = 128.0
+
+
+def logit_bound(q: Tensor, k: Tensor, scale: float) -> float:
+    """An upper bound on ``|q_i · k_j| * |scale|`` over the pairs a query head meets
+    (Cauchy-Schwarz per (batch, head): the largest query norm times the largest key norm of
+    its kv head). ``q [B, Hq, Lq, D]``, ``k [B, Hkv, Lk, D]``; 0 for meta or empty tensors.
+    One pass over q and k and one host sync: cheap beside the attention it guards.
+
+    0 while torch.compile traces (a data-dependent branch would break the graph): compiled
+    calls keep the route of ordinary logits."""
+    if q.device.type == "meta" or q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    if torch.compiler.is_compiling():
+        return 0.0
+    with torch.no_grad():
+        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax(-1)  # [B, Hq]
+        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1)  # [B, Hkv]
+        kn = kn.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq]
+        return float((qn * kn).amax()) * abs(scale)
 
 
 def score_bytes(p: Problem, copies: int) -> int:
@@ -90,5 +132,5 @@ def no_keys_result(p: Problem) -> tuple[Tensor, Tensor | None]:
     inputs = [t for t in (p.q, p.k, p.v) if t.requires_grad]
     if torch.is_grad_enabled() and inputs:
         out = out + sum(t.sum() * 0 for t in inputs)
-    lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), device=p.device)
+    lse = torch.full((p.B, p.Hq, p.Lq), float("-inf"), dtype=p.compute_dtype, device=p.device)
     return out, (lse if p.return_lse else None)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .._dense import dense_mask
 from .._problem import Problem
-from .base import Backend, Route, Runner, score_bytes
+from .base import HUGE_LOGIT, Backend, Kernel, Route, Runner, logit_bound, score_bytes
 
 Tensor = torch.Tensor
 
@@ -48,7 +48,9 @@ class SdpaBackend(Backend):
             memory = score_bytes(p, 3) + dense
         else:
             memory = dense + p.B * p.Hq * p.Lq * 4
-        if p.mask.kind == "causal":
+        if _explicit_causal(p):
+            forward = f"{kernel}, causal as a dense mask (is_causal gives NaN for scale <= 0)"
+        elif p.mask.kind == "causal":
             forward = f"{kernel}, is_causal"
         elif _folds_groups(p):
             forward = f"{kernel}, each kv head's {p.groups} query heads as {p.groups} query rows"
@@ -58,13 +60,24 @@ class SdpaBackend(Backend):
             forward = f"{kernel}, the bool mask as a dense float mask"
         else:
             forward = f"{kernel}, the mask evaluated into a dense [Lq, Lk] tensor every call"
-        return Route(forward=forward, backward="torch's SDPA backward", extra_memory=memory)
+        notes: tuple[str, ...] = ()
+        # said by qkv.plan only (a call does not read notes: no second pass over q and k)
+        bound = logit_bound(p.q, p.k, p.scale) if dry_run and p.requires_grad() else 0.0
+        if bound > HUGE_LOGIT:
+            notes = (
+                f"logits may reach {bound:.3g}: SDPA's backward recomputes them against a "
+                f"float32 lse and loses precision beyond {HUGE_LOGIT:g} (auto would take "
+                f"blocksparse)",
+            )
+        return Route(
+            forward=forward, backward="torch's SDPA backward", extra_memory=memory, notes=notes
+        )
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         q, k, v = p.q, p.k, p.v
-        is_causal = p.mask.kind == "causal"
+        is_causal = p.mask.kind == "causal" and not _explicit_causal(p)
         attn_mask: Tensor | None = None
-        if p.mask.kind not in ("none", "causal"):
+        if p.mask.kind not in ("none", "causal") or _explicit_causal(p):
             attn_mask = dense_mask(p)
         if p.score.bias is not None:
             bias = p.score.bias.to(q.dtype)
@@ -98,13 +111,18 @@ class SdpaBackend(Backend):
     def runner(self, p: Problem, route: Route) -> Runner | None:
         if p.mask.kind not in ("none", "causal") or p.score.kind != "none" or p.dropout_p > 0:
             return None
-        if _folds_groups(p):
+        if _explicit_causal(p):
+            return None
+        if _folds_groups(p) and not p.requires_grad():
             return _folded(p)
         if p.groups > 1 and not _NATIVE_GQA:
             return None
         gqa, causal, scale = p.groups > 1, p.mask.kind == "causal", p.scale
+        graded = p.requires_grad()
 
-        def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None] | None:
+            if graded and logit_bound(q, k, scale) > HUGE_LOGIT:
+                return None  # SDPA's backward would lose precision: the planner decides again
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
             )  # [B, Hq, Lq, Dv]
@@ -113,7 +131,7 @@ class SdpaBackend(Backend):
         return run
 
 
-def _folded(p: Problem) -> Runner:
+def _folded(p: Problem) -> Kernel:
     """One query row per head, no mask: a kv head's query heads are just more rows of one
     problem, so SDPA runs on the kv heads as they are (a view, no GQA expansion: 10-15% faster
     than enable_gqa at 1k-4k cached keys on one thread, measured in RESULTS.md)."""
@@ -125,6 +143,12 @@ def _folded(p: Problem) -> Runner:
         return of.reshape(B, Hq, 1, Dv), None  # [B, Hq, 1, Dv]
 
     return run
+
+
+def _explicit_causal(p: Problem) -> bool:
+    """Causal with ``scale <= 0``: torch's ``is_causal`` kernels give NaN there (torch 2.13,
+    CPU flash and math alike), an explicit mask does not."""
+    return p.mask.kind == "causal" and p.scale <= 0
 
 
 def _folds_groups(p: Problem) -> bool:
@@ -150,7 +174,7 @@ def _kernel(p: Problem) -> str:
 
 
 def _dense_mask_bytes(p: Problem) -> int:
-    if p.mask.kind in ("none", "causal"):
+    if p.mask.kind == "none" or (p.mask.kind == "causal" and not _explicit_causal(p)):
         return 0
     n = p.B * p.Hq * p.Lq * p.Lk
     # SDPA turns a bool mask into an additive float mask of q's dtype; a mask_mod is first

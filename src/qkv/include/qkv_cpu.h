@@ -31,6 +31,14 @@
 #include <immintrin.h>
 #endif
 
+#include <cmath>
+
 namespace qkv_cpu {
 using Vec = at::vec::Vectorized<float>;
+
+// Row maxima that keep a NaN: std::max(m, x) returns m when x is NaN, so a row whose scores
+// are all NaN (a NaN query) would keep its max at -inf and look like a row that sees no key
+// (output 0) instead of giving NaN, as the formula does.
+inline float nan_max(float a, float b) { return (std::isnan(a) || a >= b) ? a : b; }
+inline float nan_min(float a, float b) { return (std::isnan(a) || a <= b) ? a : b; }
 }  // namespace qkv_cpu

@@ -141,9 +141,11 @@ def scores(
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, heads][:, :, rows].to(cdt).unsqueeze(-1)  # [B, h, r, 1]
-    seen = torch.isfinite(row_lse)  # lse = -inf: every key masked, every weight 0
-    w = torch.exp(s - torch.where(seen, row_lse, torch.zeros_like(row_lse)))
-    w = torch.where(seen & (s > float("-inf")), w, torch.zeros_like(w))
+    # lse = -inf: every key masked, every weight 0. A NaN (a NaN in q or k, or an lse that
+    # says so) stays NaN: such a row must not look fully masked.
+    dead = torch.isneginf(row_lse)
+    w = torch.exp(s - torch.where(dead, torch.zeros_like(row_lse), row_lse))
+    w = torch.where(dead | torch.isneginf(s), torch.zeros_like(w), w)
     return s, w
 
 
@@ -178,7 +180,7 @@ def weights(
     Returns:
         ``weights [B, h, r, Lk]`` (``[h, r, Lk]`` / ``[r, Lk]`` for unbatched inputs) in
         float32 (float64 for float64 inputs). Each row sums to 1, or is all 0 where every key
-        is masked (``lse = -inf``).
+        is masked (``lse = -inf``), or is NaN where a NaN in ``q``, ``k`` or ``lse`` reaches it.
 
     Example::
 

@@ -24,7 +24,7 @@ import torch
 
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
-from ..base import Backend, Route, no_keys_result
+from ..base import HUGE_LOGIT, Backend, Route, no_keys_result, unit_last_stride
 from . import autograd, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
@@ -82,22 +82,25 @@ class BlocksparseBackend(Backend):
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
+        q, k, v = p.q, p.k, p.v
+        if job.fused:  # torch's fused kernel reads the last dim as dense: copy where it is not
+            q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         bias = job.bias
         watch = job.score_mod is not None and torch.is_grad_enabled()
         seed = int(torch.randint(0, 1 << 62, (1,)).item()) if p.dropout_p > 0 else 0
         params = tuple(captured(job.score_mod)) if watch else ()
-        inputs = [p.q, p.k, p.v, *([bias] if bias is not None else []), *params]
+        inputs = [q, k, v, *([bias] if bias is not None else []), *params]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
         if not (needs_grad or watch):
             with torch.no_grad():
-                out, lse = forward(job.for_run(seed=seed), p.q, p.k, p.v)
-            return out, (lse.float() if p.return_lse else None)
+                out, lse = forward(job.for_run(seed=seed), q, k, v)
+            return out, (lse.to(p.compute_dtype) if p.return_lse else None)
         check = Watch(functools.partial(reaches_hidden, found=list(params))) if watch else None
         job = job.for_run(seed=seed, params=params, watch=check)
         try:
-            out, lse = BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *params)
+            out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
         except HiddenDependency:
-            return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), p.q, p.k, p.v))
+            return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), q, k, v))
         if job.fused and needs_grad and _huge(lse):
             # The fused kernel recomputes the scores in its backward with a different
             # summation order than its forward; at scores of ~1e3 and beyond the two
@@ -107,7 +110,7 @@ class BlocksparseBackend(Backend):
             # problems are redone with them (the forward runs twice, only here; qkv.plan
             # says so in a note).
             job = make_job(p, matmul=True).for_run(seed=seed)
-            out, lse = BlockSparseAttention.apply(job, p.q, p.k, p.v, bias, *params)
+            out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
         return _maybe_lse(p, (out, lse))
 
 
@@ -136,13 +139,10 @@ def _extra_memory(p: Problem) -> int:
 
 def _maybe_lse(p: Problem, res: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
     out, lse = res
-    return out, (lse.float() if p.return_lse else None)
-
-
-# |lse| beyond which the fused kernel's recomputed scores are too far from its forward's.
-_HUGE_LSE = 128.0
+    return out, (lse.to(p.compute_dtype) if p.return_lse else None)
 
 
 def _huge(lse: Tensor) -> bool:
+    """Rows whose |lse| is beyond what the fused kernel's recomputed scores keep exact."""
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return bool((finite.abs() > _HUGE_LSE).any())
+    return bool((finite.abs() > HUGE_LOGIT).any())

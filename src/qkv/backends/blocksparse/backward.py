@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base import unit_last_stride
 from .forward import float_mask, fold, pad_last, strided_blocks, unfold
 from .grads import Grads, add_bias_grad, group_sum, lse_for_bwd, lse_hi_lo
 from .job import Job, KeyBandGroup, Piece
@@ -77,8 +78,10 @@ def _fused_backward(
     if not job.segments:  # key-major groups write their keys' dk, dv
         written = [(kg.j0 * kg.b, (kg.j0 + kg.n) * kg.b) for kg in sched.key_groups]
     g = Grads(job, q, k, v, need, tuple(sorted(written)))
-    dout = dout.to(q.dtype)
-    out = out.to(q.dtype)
+    # torch's fused kernel reads the last dim as dense; an upstream gradient may be any view
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    dout = unit_last_stride(dout.to(q.dtype))
+    out = unit_last_stride(out.to(q.dtype))
     if dlse is not None:
         # One extra value column carries -dlse into D (see the module docstring).
         v = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)  # [B, Hkv, Lk, Dv+1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base import unit_last_stride
 from .job import BandGroup, Job, Piece
 
 Tensor = torch.Tensor
@@ -138,10 +139,10 @@ def softmax_lse(s: Tensor) -> tuple[Tensor, Tensor]:
     # (an ALiBi slope: sum of dS * (kv - q)) multiply by the distance: 7x plain PyTorch's
     # error at Lq=113, Lk=256 (issue 9).
     den64 = e.sum(dim=-1, keepdim=True, dtype=torch.float64)  # [..., 1]
-    seen = den64 > 0
-    safe64 = torch.where(seen, den64, torch.ones_like(den64))
+    dead = den64 == 0  # no visible key; a NaN score leaves den64 NaN, and NaN it stays
+    safe64 = torch.where(dead, torch.ones_like(den64), den64)
     lse = torch.log(safe64) + mx.double()
-    lse = torch.where(seen, lse, torch.full_like(lse, float("-inf")))
+    lse = torch.where(dead, torch.full_like(lse, float("-inf")), lse)
     return e / safe64.to(e.dtype), lse.squeeze(-1)
 
 
@@ -152,10 +153,12 @@ def merge(acc: tuple[Tensor, Tensor] | None, new: tuple[Tensor, Tensor]) -> tupl
         return new
     (o1, l1), (o2, l2) = acc, new
     lse = torch.logaddexp(l1, l2)
-    fin = torch.isfinite(lse)
-    ref = torch.where(fin, lse, torch.zeros_like(lse))
-    w1 = torch.where(fin, torch.exp(l1 - ref), torch.zeros_like(lse)).unsqueeze(-1)
-    w2 = torch.where(fin, torch.exp(l2 - ref), torch.zeros_like(lse)).unsqueeze(-1)
+    # Only rows that see no key in either part get weight 0; a NaN lse gives NaN weights, so
+    # a NaN in one part reaches the merged row instead of vanishing.
+    dead = torch.isneginf(lse)
+    ref = torch.where(dead, torch.zeros_like(lse), lse)
+    w1 = torch.where(dead, torch.zeros_like(lse), torch.exp(l1 - ref)).unsqueeze(-1)
+    w2 = torch.where(dead, torch.zeros_like(lse), torch.exp(l2 - ref)).unsqueeze(-1)
     return o1 * w1 + o2 * w2, lse
 
 
@@ -214,9 +217,9 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
         out, lse32 = native.band_forward(q, k, v, *job.native_band, p.scale)
         return out, lse32.double()
-    if job.fused:
+    if job.fused:  # torch's fused kernel: one head dim, and a dense last dim
         dm = max(p.D, p.Dv)
-        q, k, v = pad_last(q, dm), pad_last(k, dm), pad_last(v, dm)
+        q, k, v = (unit_last_stride(pad_last(t, dm)) for t in (q, k, v))
     if len(job.segments) == 1 and job.segments[0][:4] == (0, Lq, 0, p.Lk):
         out, lse = _flash_cpu(q, k, v, 0.0, job.segments[0][4], scale=p.scale)
         return out[..., :Dv], lse.double()

@@ -146,7 +146,18 @@ def _segments(p: Problem) -> list[Segment]:
     then the later rows against the prefix and, causally, against the rest (two calls over
     the same rows, merged by their lse); one call per document for sorted document ids
     (optionally with causal): documents are independent attention problems. Segments over
-    the same rows are adjacent in the list."""
+    the same rows are adjacent in the list.
+
+    None when a call would be causal and ``scale <= 0``: torch's fused kernel gives NaN for
+    ``is_causal`` with a zero or negative scale (torch 2.13, tests/test_contract_edges.py),
+    so such problems go to tiles, whose masks are explicit."""
+    segs = _mask_free_calls(p)
+    if p.scale <= 0 and any(causal for *_, causal in segs):
+        return []
+    return segs
+
+
+def _mask_free_calls(p: Problem) -> list[Segment]:
     m = p.mask
     if m.kind in ("none", "causal"):
         return [(0, p.Lq, 0, p.Lk, m.kind == "causal")]

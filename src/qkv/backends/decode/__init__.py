@@ -28,7 +28,7 @@ import torch
 from ..._kinds import MaskKind
 from ..._problem import Problem
 from ...native import NativeLibrary
-from ..base import Backend, Route, Runner, Unavailable
+from ..base import Backend, Kernel, Route, Runner, Unavailable
 
 Tensor = torch.Tensor
 
@@ -158,7 +158,7 @@ def forward(p: Problem, splits: int = 0) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _bound(p: Problem, splits: int = 0) -> Runner:
+def _bound(p: Problem, splits: int = 0) -> Kernel:
     """The kernel with everything of ``p`` but its tensors bound: ``(q, k, v) -> (out, lse)``
     for any call of ``p``'s shapes and mask (a decoder's repeat calls run this alone)."""
     ranges = key_ranges(p.mask, p.B, p.Lq, p.Lk)

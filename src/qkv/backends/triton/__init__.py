@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from ..._problem import Problem
-from ..base import Backend, Route, no_keys_result
+from ..base import Backend, Route, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings
 from .lists import block_mask_at, mask_spec, tile_lists
@@ -113,7 +113,7 @@ class TritonBackend(Backend):
         call: Call = route.detail
         if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
             return no_keys_result(p)
-        q, k, v = (_unit_last(t) for t in (p.q, p.k, p.v))
+        q, k, v = (unit_last_stride(t) for t in (p.q, p.k, p.v))  # kernels read D densely
         param = score_param(p)
         tracked = [q, k, v, *([param] if param is not None else [])]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
@@ -121,11 +121,6 @@ class TritonBackend(Backend):
         else:
             out, lse = launch.forward(call, q, k, v, param, out_dtype=q.dtype)
         return out, (lse if p.return_lse else None)
-
-
-def _unit_last(t: Tensor) -> Tensor:
-    """The kernels read the head dim with stride 1."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _extra_memory(p: Problem) -> int:

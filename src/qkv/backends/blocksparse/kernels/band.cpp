@@ -94,8 +94,8 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
   float lo = at::vec::vec_reduce_all<float>(
       [](Vec& u, Vec& w) { return at::vec::minimum(u, w); }, vlo);
   for (; i < len; ++i) {
-    hi = std::max(hi, x[i]);
-    lo = std::min(lo, x[i]);
+    hi = qkv_cpu::nan_max(hi, x[i]);  // at::vec::maximum above keeps NaN too
+    lo = qkv_cpu::nan_min(lo, x[i]);
   }
   const float mx = (scale >= 0.f ? hi : lo) * scale;
   if (mx == neg_inf) {  // -inf scores (from infinite inputs): no weight anywhere

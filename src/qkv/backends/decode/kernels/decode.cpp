@@ -115,9 +115,9 @@ void partial(const float* q, int64_t R, int64_t D, const float* k, int64_t ks, c
       float hi = NEG_INF;
       for (int64_t j = 0; j < n; ++j) {
         s[j] = dot(qr, k + (a + j) * ks, D) * scale;
-        hi = std::max(hi, s[j]);
+        hi = qkv_cpu::nan_max(hi, s[j]);  // a NaN score makes the row NaN, not empty
       }
-      const float mnew = std::max(m[r], hi);
+      const float mnew = qkv_cpu::nan_max(m[r], hi);
       if (mnew == NEG_INF) continue;  // -inf scores (infinite inputs): no weight anywhere
       const Vec vm(mnew);
       Vec vsum(0.f);
@@ -239,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> decode_forward(const at::Tensor& q_, const at
     const int64_t row0 = (bh / Hkv) * Hq * Lq + (bh % Hkv) * G * Lq;  // [B, Hq, Lq] index
     for (int64_t r = 0; r < R; ++r) {
       float mx = NEG_INF;
-      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, M[(bh * S + s) * R + r]);
+      for (int64_t s = 0; s < S; ++s) mx = qkv_cpu::nan_max(mx, M[(bh * S + s) * R + r]);
       float* o = op + (row0 + r) * Dv;
       std::fill(o, o + Dv, 0.f);
       if (mx == NEG_INF) {  // the row sees no key

@@ -166,13 +166,13 @@ def attn_fwd(
             pv = tl.dot(p.to(v.dtype).to(MMA), v.to(MMA), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    dead = l_i == 0.0  # no visible key; a NaN score leaves l_i NaN, and the row NaN
+    out = acc / tl.where(dead, 1.0, l_i)[:, None]
     o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
     tl.store(
         o_ptr + offs_m[:, None] * som + offs_dv[None, :],
         out.to(O.dtype.element_ty),
         mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV),
     )
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse = tl.where(dead, float("-inf"), m_i + tl.log(tl.where(dead, 1.0, l_i)))
     tl.store(LSE + bh.to(tl.int64) * Lq + offs_m, lse, mask=offs_m < Lq)
