@@ -231,3 +231,15 @@ def test_lse_is_float32_or_float64_for_float64_inputs(backend: str, dtype: torch
         pytest.skip(f"{backend} does not take {dtype}")
     _, lse = qkv.attention(q, k, v, mask=qkv.causal, return_lse=True, backend=backend)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+def test_inspect_stats_keep_a_nan_row():
+    q, k, v = make_qkv(SHAPE.replace(Lq=20, Lk=30), gen=11)
+    q = _with_nan(q, NAN_ROW)
+    _, lse = qkv.attention(q, k, v, return_lse=True)
+    st = qkv.inspect.stats(q, k, lse=lse, top_k=3)
+    assert torch.isnan(st.entropy[:, 1, NAN_ROW]).all()
+    assert torch.isnan(st.top_weights[:, 1, NAN_ROW]).all()
+    fine = torch.ones(st.entropy.shape, dtype=torch.bool)
+    fine[:, 1, NAN_ROW] = False
+    assert torch.isfinite(st.entropy[fine]).all() and (st.top_keys[fine] >= 0).all()

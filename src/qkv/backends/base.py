@@ -111,10 +111,10 @@ def logit_bound(q: Tensor, k: Tensor, scale: float) -> float:
         return 0.0
     if torch.compiler.is_compiling():
         return 0.0
-    with torch.no_grad():
-        qn = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32).amax(-1)  # [B, Hq]
-        kn = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1)  # [B, Hkv]
-        kn = kn.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq]
+    B, Hq, Hkv = q.shape[0], q.shape[1], k.shape[1]
+    with torch.no_grad():  # (a half-precision norm that overflows says inf: huge, as it is)
+        qn = torch.linalg.vector_norm(q, dim=-1).amax(-1).view(B, Hkv, Hq // Hkv)
+        kn = torch.linalg.vector_norm(k, dim=-1).amax(-1).view(B, Hkv, 1)
         return float((qn * kn).amax()) * abs(scale)
 
 

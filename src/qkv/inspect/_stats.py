@@ -133,22 +133,24 @@ def stats_of_problem(
                 run_s, pos = cand_s.topk(K, dim=-1)  # [B, Hq, bq, K]
                 run_i = cand_i.gather(-1, pos)
         top_s[:, :, q0:q1], top_i[:, :, q0:q1] = run_s, run_i
-        seen = z > 0  # rows with no allowed key keep zero weight everywhere
-        inv_z = torch.where(seen, 1 / torch.where(seen, z, 1.0), 0.0)  # [B, Hq, bq, 1]
+        # Rows with no allowed key keep zero weight everywhere; a NaN row (NaN in q or k) has
+        # Z NaN and stays NaN in every statistic instead of passing for an empty row.
+        dead = z == 0
+        inv_z = torch.where(dead, 0.0, 1 / torch.where(dead, 1.0, z))  # [B, Hq, bq, 1]
         row_z[:, :, q0:q1] = z
         # H = -Σ w log w with w = e / Z  =  -Σ e log e / Z + log Z
-        ent = -e_log_e * inv_z[..., 0] + torch.where(seen, z, 1.0).log()[..., 0]
+        ent = -e_log_e * inv_z[..., 0] + torch.where(dead, 1.0, z).log()[..., 0]
         ent = ent.clamp_min(0.0)  # H >= 0; rounding can leave -1e-15 for a one-key row
-        entropy[:, :, q0:q1] = torch.where(seen[..., 0], ent, 0.0)
+        entropy[:, :, q0:q1] = torch.where(dead[..., 0], 0.0, ent)
         for j, k0 in enumerate(range(0, Lk, block_k)):
             k1 = min(k0 + block_k, Lk)
             e = tiles[j] if keep else scores(p, lse, None, rows, k0, k1)[1]
             received[..., k0:k1] += (e * inv_z).sum(dim=2, dtype=torch.float64)
     row_lse = lse.to(cdt).unsqueeze(-1)  # [B, Hq, Lq, 1]
-    seen = torch.isfinite(row_lse) & (top_s > float("-inf")) & (row_z > 0)
-    top_e = torch.exp(top_s - torch.where(seen, row_lse, 0.0))
-    top_w = torch.where(seen, top_e / torch.where(seen, row_z, 1.0), 0.0).to(cdt)
-    top_i = torch.where(seen & (top_w > 0), top_i, -1)
+    empty = torch.isneginf(row_lse) | torch.isneginf(top_s) | (row_z == 0)  # (NaN is not)
+    top_e = torch.exp(top_s - torch.where(empty, 0.0, row_lse))
+    top_w = torch.where(empty, 0.0, top_e / torch.where(empty, 1.0, row_z)).to(cdt)
+    top_i = torch.where(empty | (top_w == 0), -1, top_i)
     return Stats(
         received=restore(p, received.to(cdt)),
         entropy=restore(p, entropy.to(cdt)),
