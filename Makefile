@@ -50,7 +50,7 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 # The oracle matrices again as a CPU without AVX-512 runs them, on a machine that has it
-# (issue 9: a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
+# (a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
 # AVX2; MKL's and oneDNN's GEMMs at AVX2 (oneMKL honours its variable on Intel CPUs only);
 # qkv's compiled kernels built for AVX2 (qkv/native.py names its cache folder by torch's
 # capability, so the builds sit side by side). Elsewhere the normal run above is already

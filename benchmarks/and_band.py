@@ -1,5 +1,6 @@
 """``and_masks(causal, sliding_window(w))`` against ``sliding_window(w)``: the same mask, and
-(since issue 9) the same kernel. Forward, medians of a few calls after a warm-up.
+(the engine plans an and-combination of bands as one band) the same kernel. Forward, medians
+of a few calls after a warm-up.
 
     PYTHONPATH=src python benchmarks/and_band.py [--n 8192] [--heads 4] [--window 256]
 """

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct on qkv (``qkv.models.load("smollm2")``) against transformers reading
-the same GGUF file with ``attn_implementation="sdpa"`` (issue 11), in one process, the two
+the same GGUF file with ``attn_implementation="sdpa"``, in one process, the two
 interleaved round by round, medians of the per-round ratios:
 
 - ``load``: ``qkv.models.load("smollm2")`` (in this process, after a first warm-up load),

@@ -1,4 +1,4 @@
-"""qkv on one GPU against the kernels a CUDA user would otherwise call (issue 13).
+"""qkv on one GPU against the kernels a CUDA user would otherwise call.
 
 Cases (bf16, head dim 128, B=1, H=16 unless --smoke), each contender timed in the same
 process, rounds interleaved, medians of per-round ratios:

@@ -1,6 +1,6 @@
 """transformers models on ``attn_implementation="qkv"`` against ``sdpa`` and ``eager``.
 
-Three measurements (issue 10), each in one process with the implementations interleaved round
+Three measurements, each in one process with the implementations interleaved round
 by round (``set_attn_implementation`` switches one model between them, so the weights are the
 same), reporting medians and the median of the per-round ratios, on 2 threads:
 

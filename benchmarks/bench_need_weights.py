@@ -3,7 +3,7 @@ median of 9 after a warm-up), causal, B=2, L=512, d_model=256, 8 heads, 2 thread
 
     PYTHONPATH=src python benchmarks/bench_need_weights.py
 
-Run it at two commits, alternating, to compare them (RESULTS.md, issue 9).
+Run it at two commits, alternating, to compare them (RESULTS.md).
 """
 
 from __future__ import annotations

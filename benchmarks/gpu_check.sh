@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU run of issue 13 (qkv on CUDA), for a machine with one NVIDIA GPU (an
+# The one prepared GPU run (qkv on CUDA), for a machine with one NVIDIA GPU (an
 # H200 here) and torch + triton already installed; it installs nothing. From the repository
 # root:   bash benchmarks/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./gpu-results)
 #

@@ -1,4 +1,4 @@
-"""The block-sparse engine's targets (issue 3), measured in one run against their peers.
+"""The block-sparse engine's targets, measured in one run against their peers.
 
     python benchmarks/targets.py [--repeats 5] [--threads 2] [--no-flex] [--json out.json]
 

@@ -3,7 +3,7 @@
 It takes a module's weights and recomputes its forward with ``F.linear``, a complex-number
 RoPE (not the rotate-half code under test), an explicit RMS norm and the oracle
 :func:`qkv.reference.attention`, in any dtype: float64 is the oracle, the module's own dtype
-is the "plain PyTorch" error baseline (STYLE.md rule 4).
+is the "plain PyTorch" error baseline.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared oracle helpers: every fast path is compared with ``qkv.reference`` in float64.
 
-The comparison follows flash-attention's tests (STYLE.md rule 4): a backend's error against the
+The comparison follows flash-attention's tests: a backend's error against the
 float64 oracle must stay within a small factor of the error that *plain PyTorch in the same
 dtype* makes against that oracle — 2x for outputs and lse, 3x for gradients — plus a tiny floor
 for cases where plain PyTorch happens to be exact.
@@ -51,7 +51,7 @@ def plain_attention(
     lse = torch.logsumexp(s.float(), dim=-1)  # [B, Hq, Lq]
     w = torch.softmax(s, dim=-1).nan_to_num(0.0)
     out = w @ vv
-    return p.restore(out), p.restore_lse(lse)
+    return p.restore(out), p.restore(lse)
 
 
 def oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
@@ -65,7 +65,7 @@ def oracle(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
         scale=kw.get("scale"),
     )
     out, lse, _ = qkv.reference.forward(p, dropout_p=0.0)
-    return p.restore(out), p.restore_lse(lse.double())
+    return p.restore(out), p.restore(lse.double())
 
 
 def _maxerr(a: Tensor | None, b: Tensor | None) -> float:

@@ -33,7 +33,7 @@ def _job(q, k, v, mask) -> Any:
 
 
 def _kernel(q, k, v, mask) -> str:
-    return qkv.plan(q, k, v, mask=mask, backend="blocksparse").kernel
+    return qkv.plan(q, k, v, mask=mask, backend="blocksparse").forward
 
 
 def _work(rows, groups) -> int:

@@ -42,7 +42,7 @@ def _forced(splits: int):
         p = qkv._problem.validate(q, k, v, mask=mask, scale=scale, return_lse=True)
         assert qkv.plan(q, k, v, mask=mask, scale=scale).backend == "decode"
         out, lse = decode_mod.forward(p, splits=splits)
-        return p.restore(out), p.restore_lse(lse)
+        return p.restore(out), p.restore(lse)
 
     return run
 

@@ -1,4 +1,4 @@
-"""FlexAttention-style mods and BlockMasks in qkv, unchanged (issue 9, part 3).
+"""FlexAttention-style mods and BlockMasks in qkv, unchanged.
 
 FlexAttention evaluates mask_mods and score_mods under ``torch.vmap`` with 0-d indices, so
 mods written for it may index twice (``table[q_idx][kv_idx]``) or take ``torch.dot`` of

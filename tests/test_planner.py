@@ -147,18 +147,18 @@ def test_named_backends(torch_kernels):
         qkv.attention(q, k, v, backend="sdpa", return_lse=True)
     plan = qkv.plan(q, k, v, backend="blocksparse")
     assert plan.backend == "blocksparse"
-    assert "whole problem" in plan.kernel
+    assert "whole problem" in plan.forward
     plan = qkv.plan(q, k, v, backend="blocksparse", mask=qkv.sliding_window(8))
-    assert "batched along the band" in plan.kernel
+    assert "batched along the band" in plan.forward
     plan = qkv.plan(q, k, v, backend="blocksparse", mask=lambda b, h, i, j: i % 3 != j % 2)
-    assert "per query block, visible key blocks only" in plan.kernel
+    assert "per query block, visible key blocks only" in plan.forward
     ids = torch.arange(256) // 64
     plan = qkv.plan(
         q, k, v, mask=qkv.and_masks(qkv.causal, qkv.document(ids)), backend="blocksparse"
     )
-    assert "once per document (4 calls)" in plan.kernel
+    assert "once per document (4 calls)" in plan.forward
     plan = qkv.plan(q, k, v, backend="blocksparse", score_mod=qkv.softcap(5.0))
-    assert "explicit matmuls" in plan.kernel
+    assert "explicit matmuls" in plan.forward
 
 
 def test_auto_order_and_registry():
@@ -270,3 +270,10 @@ def test_repeat_calls_follow_the_dense_limit():
         assert len(_plain._ROUTES) == kept  # the limit is part of the signature
     finally:
         qkv.set_dense_limit(old)
+
+
+def test_plan_takes_the_mask_positionally_as_attention_does():
+    q = k = v = torch.randn(1, 2, 40, 8)
+    assert str(qkv.plan(q, k, v, qkv.sliding_window(4))) == str(
+        qkv.plan(q, k, v, mask=qkv.sliding_window(4))
+    )

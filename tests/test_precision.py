@@ -1,4 +1,4 @@
-"""Gradient precision where many query heads share one kv head (issue 9).
+"""Gradient precision where many query heads share one kv head.
 
 The block-sparse engine's matmul backward used to compute a kv head's dk and dv with one GEMM
 over its whole group of query heads (``g * rows`` terms summed at once). Where MKL adds such a
@@ -79,7 +79,7 @@ def test_gqa_gradients_sum_per_head(case: GroupCase, backend: str) -> None:
     assert_matches_oracle(res)
 
 
-# The test_backends.py matrix case that failed on CPUs without AVX-512 (issue 9): dv 7.1x
+# The test_backends.py matrix case that failed on CPUs without AVX-512: dv 7.1x
 # plain's error before, 1.0x after.
 MATRIX_CASE = Case(Shape(1, 8, 1, 113, 256, 8, 8), "prefix_mod", "softcap", torch.float32)
 
@@ -159,7 +159,7 @@ if __name__ == "__main__":  # the numbers behind the comments above
         )
 
 
-# The block-sparse matrix case whose ALiBi slope gradient failed the AVX2 rerun (issue 9).
+# The block-sparse matrix case whose ALiBi slope gradient failed the AVX2 rerun.
 SLOPE_CASE = "and-alibi-fp32-L113x256-D128v128-H1/1-B2-blkNone"
 
 

@@ -1,7 +1,7 @@
 """Value checks shared by every entry point, and the index tensors mods are called with.
 
 Every check runs before any attention arithmetic, and every error names the values it got and
-what would work (STYLE.md rule 9). Shapes and values raise ``ValueError``; types raise
+what would work. Shapes and values raise ``ValueError``; types raise
 ``TypeError``. :mod:`qkv._problem` puts them together at the door of :func:`qkv.attention`.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 Tensor = torch.Tensor
 
-# The dtypes attention is defined for. Half types are accumulated in float32 (DESIGN.md).
+# The dtypes attention is defined for. Half types are accumulated in float32.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -28,6 +28,14 @@ def index_tensors(
     qi = torch.arange(*q_range, device=device).view(1, 1, -1, 1)  # [1, 1, Lq, 1]
     ki = torch.arange(*kv_range, device=device).view(1, 1, 1, -1)  # [1, 1, 1, Lk]
     return b, h, qi, ki
+
+
+def callable_name(obj: Any) -> str:
+    """How messages and plans name a mask_mod or score_mod: qkv's own objects by their repr
+    (``qkv.sliding_window(4)``), functions by ``__name__``, other callables by their type."""
+    if type(obj).__module__.startswith("qkv"):
+        return repr(obj)
+    return getattr(obj, "__name__", None) or type(obj).__name__
 
 
 def check_tensor(name: str, t: object) -> Tensor:
@@ -175,7 +183,7 @@ def check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int]
 
 def check_mask_result(result: object, mod: Callable[..., Any], shape: tuple[int, ...]) -> Tensor:
     """Check what a mask_mod returned for a block of ``shape`` and return it as a 4-D bool."""
-    name = getattr(mod, "__name__", None) or repr(mod)
+    name = callable_name(mod)
     if isinstance(result, bool):
         return torch.tensor(result).view(1, 1, 1, 1)
     if not isinstance(result, Tensor):
@@ -201,7 +209,7 @@ def check_score_result(
     result: object, mod: Callable[..., Any], shape: tuple[int, ...], dtype: torch.dtype
 ) -> Tensor:
     """Check what a score_mod returned for scores of ``shape``; cast to the compute dtype."""
-    name = getattr(mod, "__name__", None) or repr(mod)
+    name = callable_name(mod)
     if not isinstance(result, Tensor):
         raise TypeError(
             f"score_mod {name} returned {type(result).__name__}; it must return a float tensor "

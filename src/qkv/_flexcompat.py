@@ -31,15 +31,11 @@ from typing import Any
 
 import torch
 
-from ._checks import broadcastable, check_mask_result, check_score_result
+from ._checks import broadcastable, callable_name, check_mask_result, check_score_result
 
 Tensor = torch.Tensor
 
 _FLEX = "torch.nn.attention.flex_attention"
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _first_line(e: BaseException) -> str:
@@ -178,7 +174,7 @@ def _decide(
     shapes = ", ".join(f"{n} {list(a.shape)}" for n, a in zip(names, args, strict=True))
     want = "a bool tensor (True = may attend)" if mask else "a float tensor"
     raise ValueError(
-        f"{kind} {_name(fn)} works under neither calling convention. qkv calls it with "
+        f"{kind} {callable_name(fn)} works under neither calling convention. qkv calls it with "
         f"broadcastable tensors ({shapes}) and needs {want} broadcastable to {list(grid)}: "
         f"there it {b_text}. FlexAttention calls it under torch.vmap with 0-d tensors, one "
         f"element at a time: there it {v_text}. Make one of them work: broadcasting "
@@ -226,10 +222,10 @@ class ModCall:
 
     @property
     def __name__(self) -> str:
-        return _name(self.fn)
+        return callable_name(self.fn)
 
     def __repr__(self) -> str:
-        return _name(self.fn) + ("" if self.why is None else " (through torch.vmap)")
+        return callable_name(self.fn) + ("" if self.why is None else " (through torch.vmap)")
 
 
 def mask_mod_convention(
@@ -312,7 +308,7 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    for attr in ("mods", "mod"):  # qkv.masks._Combined; qkv._positions._MaskAt, _ScoreAt
+    for attr in ("mods", "mod"):  # qkv.masks._Combined; qkv._positions.MaskAt, ScoreAt
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:
             continue

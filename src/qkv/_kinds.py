@@ -1,9 +1,11 @@
-"""Masks and scores classified once, at the door (STYLE.md rule 16).
+"""Masks and scores classified once, at the door.
 
 :func:`classify_mask` turns whatever was passed as ``mask=`` into one :class:`MaskKind` and
 :func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. Every later layer
 (tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
-and fields; this is the only module that knows the built-in masks' and scores' classes.
+and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, this is the only
+module that knows the built-in masks' and scores' classes (qkv._plain recognises a band by its
+class too, to key its cache on it).
 
 Combinations of built-ins are simplified to the kind they are, so that they reach the same
 kernels as the mask they equal::
@@ -26,13 +28,13 @@ from typing import Any
 
 import torch
 
+from ._checks import callable_name
 from ._flexcompat import ModCall
 from .masks import _And, _Band, _Document, _KvBelow, _Or, causal
 from .scores import _Alibi, _RelativeBias, _Softcap
 
 Tensor = torch.Tensor
 
-# The tags, in the order of the issue that introduced them (issue 9).
 MASK_KINDS = (
     "none",
     "causal",
@@ -196,9 +198,7 @@ def describe(obj: object) -> str:
         return "none"
     if isinstance(obj, Tensor):
         return f"{'bool' if obj.dtype == torch.bool else 'bias'} tensor {list(obj.shape)}"
-    if type(obj).__module__.startswith("qkv"):
-        return repr(obj)
-    return getattr(obj, "__name__", None) or type(obj).__name__
+    return callable_name(obj)
 
 
 # ------------------------------------------------------------------------------ masks
@@ -305,10 +305,6 @@ def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
         prefix = MaskKind("prefix", mod, limit=P)
         flat = [prefix, *(p for p in flat if p.kind != "causal" and p not in below)]
     return _combined("or", flat, parts, source)
-
-
-def _low_edge(b: MaskKind) -> int:
-    return -(1 << 62) if b.lo is None else b.lo
 
 
 def _combined(

@@ -11,7 +11,7 @@ with the same signature run its route as a function of the tensors alone (the ba
 checks and the decision read, so a hit is a call the full path has already accepted and would
 decide the same way. Only backends whose routes carry nothing of the first call's tensors
 give runners (SDPA and the decode kernel; the block-sparse and Triton routes hold per-call
-jobs). Measured on a GQA decode step (benchmarks/RESULTS.md, issue 10): validate + decide
+jobs). Measured on a GQA decode step (benchmarks/RESULTS.md): validate + decide
 cost ~15 us a call, the lookup ~2 us; inside a model, where the weights streaming past evict
 Python's own data between calls, every line of this path costs several times more.
 """

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ._checks import callable_name
 from ._kinds import MaskKind, band, classify_score
 from ._problem import mask_kind
 
@@ -53,11 +54,7 @@ def _kv_abs(kv_pos: KvPos, kv_idx: Tensor) -> Tensor:
     return kv_idx + kv_pos if isinstance(kv_pos, int) else kv_pos(kv_idx)
 
 
-def _name(mod: Any) -> str:
-    return repr(mod) if type(mod).__module__.startswith("qkv") else getattr(mod, "__name__", "fn")
-
-
-class _MaskAt:
+class MaskAt:
     """``mod`` evaluated at absolute positions (see the module docstring)."""
 
     def __init__(self, mod: Any, q_offset: int, kv_pos: KvPos, total: int) -> None:
@@ -72,14 +69,14 @@ class _MaskAt:
             check(B, H, self.total, self.total)
 
     def __repr__(self) -> str:
-        return f"{_name(self.mod)} at absolute positions (queries from {self.q_offset})"
+        return f"{callable_name(self.mod)} at absolute positions (queries from {self.q_offset})"
 
     @property
     def __name__(self) -> str:
         return repr(self)
 
 
-class _ScoreAt(_MaskAt):
+class ScoreAt(MaskAt):
     def __call__(  # type: ignore[override]
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
@@ -109,11 +106,11 @@ def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> obj
         return mask  # a tensor already spans the buffer's [Lq, Lk]
     if kind.is_band and isinstance(kv_pos, int):
         return shift_band(kind, q_offset - kv_pos, Lq, Lk)
-    return _MaskAt(kind.mask_mod, q_offset, kv_pos, q_offset + Lq)
+    return MaskAt(kind.mask_mod, q_offset, kv_pos, q_offset + Lq)
 
 
 def score_at(score_mod: object, q_offset: int, kv_pos: KvPos, Lq: int) -> object:
     """The score_mod to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
     if classify_score(score_mod).kind in ("none", "bias"):
         return score_mod  # a bias already spans the buffer's [Lq, Lk]
-    return _ScoreAt(score_mod, q_offset, kv_pos, q_offset + Lq)
+    return ScoreAt(score_mod, q_offset, kv_pos, q_offset + Lq)

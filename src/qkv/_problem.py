@@ -1,7 +1,7 @@
 """The door of every attention call: arguments checked and classified into one
 :class:`Problem`.
 
-``validate`` runs every check before any arithmetic (STYLE.md rule 9) and classifies the mask
+``validate`` runs every check before any arithmetic and classifies the mask
 and the score once (:mod:`qkv._kinds`); planners, backends and inspection read the problem's
 typed fields and never look at what the user passed again.
 """
@@ -107,20 +107,14 @@ class Problem:
         # A callable score_mod may close over learnable tensors we cannot see.
         return self.score.is_callable
 
-    def restore(self, out: Tensor) -> Tensor:
-        """Undo the unbatched normalisation: ``[1, 1, L, Dv]`` → ``[L, Dv]`` etc."""
+    def restore(self, t: Tensor) -> Tensor:
+        """Undo the unbatched normalisation on any result whose leading dims are ``[B, Hq]``:
+        ``out [1, 1, Lq, Dv]`` → ``[Lq, Dv]``, ``lse [1, Hq, Lq]`` → ``[Hq, Lq]``, weights, ..."""
         if self.orig_ndim == 2:
-            return out[0, 0]  # [Lq, Dv]
+            return t[0, 0]  # [Lq, ...]
         if self.orig_ndim == 3:
-            return out[0]  # [Hq, Lq, Dv]
-        return out
-
-    def restore_lse(self, lse: Tensor) -> Tensor:
-        if self.orig_ndim == 2:
-            return lse[0, 0]  # [Lq]
-        if self.orig_ndim == 3:
-            return lse[0]  # [Hq, Lq]
-        return lse
+            return t[0]  # [Hq, Lq, ...]
+        return t
 
     def index_tensors(
         self, q_range: tuple[int, int] | None = None, kv_range: tuple[int, int] | None = None

@@ -26,8 +26,9 @@ EVAL_BUDGET = 1 << 22
 class Grid:
     """The tiling of a ``[B, H, Lq, Lk]`` score matrix into ``bq x bk`` blocks.
 
-    Built-in masks' ``_block_states(grid)`` read the block bounds from here and call
-    :meth:`from_ranges` / :meth:`classify`.
+    :meth:`classify` turns a classified mask into tile states: built-in kinds by their rule
+    from the block bounds held here (through :meth:`from_ranges`), anything else evaluated
+    tile by tile.
     """
 
     def __init__(

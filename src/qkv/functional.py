@@ -104,7 +104,7 @@ def attention(
     if not return_lse:
         return out
     assert lse is not None, f"backend {plan.backend} returned no lse although it was asked for"
-    return out, p.restore_lse(lse)
+    return out, p.restore(lse)
 
 
 def _no_dropout(dropout_p: object) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_mask_result
+from ._checks import callable_name, check_mask_result
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -313,18 +313,12 @@ def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:
 def and_masks(*mods: MaskMod) -> MaskMod:
     """Attend where *every* mask_mod allows: ``and_masks(causal, document(ids))``."""
     _check_mods("and_masks", mods)
-    name = "qkv.and_masks(" + ", ".join(_name(m) for m in mods) + ")"
+    name = "qkv.and_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
     return _And(mods, name)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
     """Attend where *any* mask_mod allows: ``or_masks(sliding_window(64), global_tokens)``."""
     _check_mods("or_masks", mods)
-    name = "qkv.or_masks(" + ", ".join(_name(m) for m in mods) + ")"
+    name = "qkv.or_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
     return _Or(mods, name)
-
-
-def _name(m: Any) -> str:
-    if isinstance(m, _BuiltinMask):
-        return repr(m)
-    return getattr(m, "__name__", type(m).__name__)

@@ -18,8 +18,7 @@ import torch
 from ._flexplan import plan_notes
 from ._problem import Problem, validate
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import HUGE_LOGIT, Backend, Route, Unavailable, logit_bound
-from .backends.blocksparse.plan import native_band
+from .backends.base import Backend, Route, Unavailable
 
 Tensor = torch.Tensor
 
@@ -65,52 +64,18 @@ def _too_big(b: Backend, route: Route) -> str | None:
     return None
 
 
-# Below this many scores (B*Hq*Lq*Lk) a masked problem goes to SDPA with a dense mask: its
-# one fused call beats planning tiles (measured, benchmarks/RESULTS.md: H=8, window 64,
-# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
-# n = 512 and more beyond).
-_SMALL_DENSE = 1 << 20
-
-
 def _auto_skip(name: str, p: Problem) -> str | None:
-    """The auto policy: why ``auto`` passes over a backend that could compute ``p`` but
-    not well."""
-    masked = p.mask.kind not in ("none", "causal")
-    if name == "sdpa" and BACKENDS["decode"].rejects(p) is None:
-        # Measured (benchmarks/RESULTS.md, issue 10): 0.3-0.8x SDPA's time for up to 16 query
-        # rows per kv head on 2 threads, ~0.5x on a SmolLM2 decode step at 100-16k keys.
-        return (
-            "qkv's decode kernel computes this faster (a few query rows per kv head against "
-            "their keys, the keys split across threads)"
-        )
-    if name == "triton" and p.device.type != "cuda":
-        return "Triton's interpreter runs on the CPU only for tests (hundreds of times slower)"
-    if name in ("sdpa", "triton") and p.requires_grad():
-        bound = logit_bound(p.q, p.k, p.scale)
-        if bound > HUGE_LOGIT:
-            return (
-                f"logits may reach {bound:.3g} (|q|·|k|·scale); its backward recomputes them "
-                f"against a float32 lse and loses precision beyond {HUGE_LOGIT:g}, where "
-                f"blocksparse redoes the rows with explicit matmuls"
-            )
-    if name == "sdpa" and p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
-        return (
-            "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
-            "use the plan (a masked problem this size would run on a dense [Lq, Lk] mask)"
-        )
-    if name == "sdpa" and masked and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
-        return (
-            "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
-            "blocksparse skips the hidden blocks"
-        )
-    if name == "sdpa" and masked and native_band(p, build=False) is None:
-        # Measured (benchmarks/RESULTS.md): faster than the SDPA route (which evaluates the
-        # mask into a dense tensor every call) at every size, 1.2x at n=64 to 2.6x at 256.
-        return (
-            "SDPA would do all Lq*Lk work on a dense mask evaluated every call; qkv's "
-            "compiled band kernel computes only the band, faster at every size measured"
-        )
-    return None
+    """The auto policy, as the backends state it: why ``auto`` passes over ``name`` for ``p``
+    although it computes it exactly. A later backend in ``AUTO_ORDER`` that claims ``p`` (it is
+    faster there) takes it from every earlier one that does not claim it too; otherwise the
+    backend's own reasons (slow or imprecise there)."""
+    b = BACKENDS[name]
+    if b.claims(p) is None:
+        for later in AUTO_ORDER[AUTO_ORDER.index(name) + 1 :]:
+            other = BACKENDS[later]
+            if other.rejects(p) is None and (why := other.claims(p)) is not None:
+                return why
+    return b.auto_skip(p)
 
 
 def _check_backend_name(name: object) -> str:
@@ -134,11 +99,6 @@ class Plan:
     route_notes: tuple[str, ...] = ()  # the backend's own remarks on its route
     problem: Problem = field(repr=False)
     route: Route = field(repr=False)
-
-    @property
-    def kernel(self) -> str:
-        """The forward kernel (the name older code reads)."""
-        return self.forward
 
     def execute(self) -> tuple[Tensor, Tensor | None]:
         """Run this plan: ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (or ``None``)."""
@@ -309,8 +269,8 @@ def plan(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    *,
     mask: object = None,
+    *,
     score_mod: object = None,
     scale: float | None = None,
     dropout_p: float = 0.0,

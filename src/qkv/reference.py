@@ -54,11 +54,7 @@ def attention(
     """
     p = validate(q, k, v, mask=mask, score_mod=score_mod, scale=scale)
     out, _, weights = forward(p, dropout_p=0.0)
-    if p.orig_ndim == 2:
-        weights = weights[0, 0]  # [Lq, Lk]
-    elif p.orig_ndim == 3:
-        weights = weights[0]  # [Hq, Lq, Lk]
-    return p.restore(out), weights
+    return p.restore(out), p.restore(weights)
 
 
 def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -23,8 +23,9 @@ BACKENDS: dict[str, Backend] = {
         ReferenceBackend(),
     )
 }
-# sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias),
-# except where the decode kernel takes it (the auto policy in qkv.planner); decode for a few
+# The auto policy is the backends' own (Backend.auto_skip, Backend.claims; qkv.planner applies
+# it). sdpa first where the problem maps onto torch's kernel directly (no mask, causal, a bias),
+# except where a later backend claims it (decode, blocksparse's band kernel); decode for a few
 # query rows per kv head with nothing to learn (a decode step on the CPU, masks of one key run
 # per row included); triton for masks on CUDA (the fused kernel over the tile plan);
 # blocksparse for everything else (masks on the CPU, score_mods, lse); the reference as the

@@ -5,7 +5,11 @@ A backend answers three questions about a classified :class:`qkv._problem.Proble
 - ``rejects(p)``: why it cannot compute ``p`` exactly (``None`` if it can);
 - ``route(p)``: how it will compute it — a frozen :class:`Route` naming the forward and
   backward kernels, the tiles and the extra memory, and carrying what ``run`` executes;
-- ``run(p, route)``: ``out [B, Hq, Lq, Dv]`` and, when ``p.return_lse``, ``lse [B, Hq, Lq]``.
+- ``run(p, route)``: ``out [B, Hq, Lq, Dv]`` and, when ``p.return_lse``, ``lse [B, Hq, Lq]``;
+
+and states its part of the auto policy: ``auto_skip(p)`` (why ``auto`` should not take ``p``
+here although it could: slow or imprecise there) and ``claims(p)`` (why ``auto`` should take
+``p`` here rather than from an earlier backend: faster there).
 
 ``route`` is called once per call, by the planner; ``qkv.plan`` prints that route and
 ``qkv.attention`` runs that same route, so the explanation cannot drift from what runs.
@@ -71,6 +75,17 @@ class Backend(ABC):
         ``None``), ``lse [B, Hq, Lq]`` in ``p.compute_dtype`` (float64 for float64 inputs,
         else float32)."""
 
+    def auto_skip(self, p: Problem) -> str | None:
+        """Why ``backend="auto"`` should pass over this backend for ``p`` although it computes
+        it exactly (slow or imprecise there, measured); ``None`` (the default) to take it."""
+        return None
+
+    def claims(self, p: Problem) -> str | None:
+        """Why ``auto`` should give ``p`` to this backend rather than to any earlier backend in
+        ``AUTO_ORDER`` that does not claim it too (this one is faster there, measured). Asked
+        only when :meth:`rejects` is ``None``; ``None`` (the default) claims nothing."""
+        return None
+
     def runner(self, p: Problem, route: Route) -> Runner | None:
         """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
         signature with no score_mod and no mask or a band mask (:mod:`qkv._plain`): everything
@@ -93,7 +108,7 @@ def unit_last_stride(t: Tensor) -> Tensor:
 
 # Beyond this |logit| a backward that recomputes the scores and exponentiates them against a
 # float32 lse (torch's fused SDPA backward, the Triton kernels') loses whole digits: at
-# logits of ~1e4 its gradients were up to 1e5x plain float32 autograd's error (issue 19,
+# logits of ~1e4 its gradients were up to 1e5x plain float32 autograd's error (
 # tests/test_contract_edges.py). The block-sparse engine redoes such rows with explicit
 # matmuls; auto sends problems that may reach it there.
 HUGE_LOGIT = 128.0
@@ -116,6 +131,22 @@ def logit_bound(q: Tensor, k: Tensor, scale: float) -> float:
         qn = torch.linalg.vector_norm(q, dim=-1).amax(-1).view(B, Hkv, Hq // Hkv)
         kn = torch.linalg.vector_norm(k, dim=-1).amax(-1).view(B, Hkv, 1)
         return float((qn * kn).amax()) * abs(scale)
+
+
+def imprecise_backward(p: Problem) -> str | None:
+    """For a backend whose backward recomputes the scores against a float32 lse: why auto
+    should not take ``p`` (a gradient is needed and the logits may pass :data:`HUGE_LOGIT`),
+    or ``None``."""
+    if not p.requires_grad():
+        return None
+    bound = logit_bound(p.q, p.k, p.scale)
+    if bound <= HUGE_LOGIT:
+        return None
+    return (
+        f"logits may reach {bound:.3g} (|q|·|k|·scale); its backward recomputes them against "
+        f"a float32 lse and loses precision beyond {HUGE_LOGIT:g}, where blocksparse redoes "
+        f"the rows with explicit matmuls"
+    )
 
 
 def score_bytes(p: Problem, copies: int) -> int:

@@ -14,7 +14,16 @@ import torch.nn.functional as F
 
 from .._dense import dense_mask
 from .._problem import Problem
-from .base import HUGE_LOGIT, Backend, Kernel, Route, Runner, logit_bound, score_bytes
+from .base import (
+    HUGE_LOGIT,
+    Backend,
+    Kernel,
+    Route,
+    Runner,
+    imprecise_backward,
+    logit_bound,
+    score_bytes,
+)
 
 Tensor = torch.Tensor
 
@@ -23,6 +32,13 @@ _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # output 0 instead of NaN (pytorch/pytorch#103749).
 _NATIVE_GQA = _VERSION >= (2, 5)
 _SAFE_MASKED_ROWS = _VERSION >= (2, 5)
+
+
+# Below this many scores (B*Hq*Lq*Lk) auto gives a masked problem to SDPA with a dense mask:
+# its one fused call beats planning tiles (measured, benchmarks/RESULTS.md: H=8, window 64,
+# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
+# n = 512 and more beyond).
+_SMALL_DENSE = 1 << 20
 
 
 class SdpaBackend(Backend):
@@ -40,6 +56,20 @@ class SdpaBackend(Backend):
         if not _SAFE_MASKED_ROWS and p.mask.kind not in ("none", "causal"):
             return "torch < 2.5 SDPA gives NaN for fully masked rows"
         return None
+
+    def auto_skip(self, p: Problem) -> str | None:
+        masked = p.mask.kind not in ("none", "causal")
+        if p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
+            return (
+                "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
+                "use the plan (a masked problem this size would run on a dense [Lq, Lk] mask)"
+            )
+        if masked and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
+            return (
+                "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
+                "blocksparse skips the hidden blocks"
+            )
+        return imprecise_backward(p)
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         kernel = _kernel(p)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._kinds import MaskKind, ScoreKind
-from .._positions import _MaskAt, _ScoreAt, shift_band
+from .._positions import MaskAt, ScoreAt, shift_band
 
 Tensor = torch.Tensor
 
@@ -36,7 +36,7 @@ def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> obj
     lq, lk = q[1] - q[0], k[1] - k[0]
     if m.is_band:
         return shift_band(m, q[0] - k[0], lq, lk)
-    return _MaskAt(m.mask_mod, q[0], k[0], L)
+    return MaskAt(m.mask_mod, q[0], k[0], L)
 
 
 def score_for(s: ScoreKind, q: tuple[int, int], k: tuple[int, int], L: int) -> object:
@@ -45,4 +45,4 @@ def score_for(s: ScoreKind, q: tuple[int, int], k: tuple[int, int], L: int) -> o
         return None
     if s.bias is not None:
         return _slice(s.bias, q, k)
-    return _ScoreAt(s.score_mod, q[0], k[0], L)
+    return ScoreAt(s.score_mod, q[0], k[0], L)

@@ -28,7 +28,6 @@ the weights before dropout.
 from __future__ import annotations
 
 try:
-    import transformers as _transformers
     from transformers import AttentionInterface as _AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface as _AttentionMaskInterface
 except ImportError as _e:  # pragma: no cover - exercised in a subprocess by the tests
@@ -63,8 +62,3 @@ def register(name: str = NAME) -> str:
     _AttentionInterface.register(name, attention_forward)
     _AttentionMaskInterface.register(name, mask_function)
     return name
-
-
-def transformers_version() -> str:
-    """The transformers version qkv.hf runs with."""
-    return str(_transformers.__version__)

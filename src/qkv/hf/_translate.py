@@ -35,7 +35,7 @@ import torch
 
 from .. import masks
 from .._kinds import band, classify_mask
-from .._positions import _MaskAt, shift_band
+from .._positions import MaskAt, shift_band
 
 Tensor = torch.Tensor
 
@@ -150,7 +150,7 @@ def _one(fn: Any, f: Frame, siblings: list[Any]) -> object:
         translated = _one(inner, f, [])
         if _is_band(translated):
             return translated
-    return _MaskAt(fn, f.q_offset, f.kv_offset, f.q_offset + f.Lq)
+    return MaskAt(fn, f.q_offset, f.kv_offset, f.q_offset + f.Lq)
 
 
 def _band(lo: int | None, hi: int | None, f: Frame) -> object:

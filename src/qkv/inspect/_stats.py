@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._problem import Problem
-from ._weights import check_problem, restore, scores
+from ._weights import check_problem, scores
 
 Tensor = torch.Tensor
 
@@ -152,8 +152,8 @@ def stats_of_problem(
     top_w = torch.where(empty, 0.0, top_e / torch.where(empty, 1.0, row_z)).to(cdt)
     top_i = torch.where(empty | (top_w == 0), -1, top_i)
     return Stats(
-        received=restore(p, received.to(cdt)),
-        entropy=restore(p, entropy.to(cdt)),
-        top_weights=restore(p, top_w),
-        top_keys=restore(p, top_i),
+        received=p.restore(received.to(cdt)),
+        entropy=p.restore(entropy.to(cdt)),
+        top_weights=p.restore(top_w),
+        top_keys=p.restore(top_i),
     )

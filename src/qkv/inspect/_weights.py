@@ -195,7 +195,7 @@ def weights(
     p, lse4 = check_problem(q, k, lse, mask, score_mod, scale)
     h = check_index("heads", heads, p.Hq, "heads", p.device)
     r = check_index("rows", rows, p.Lq, "query rows", p.device)
-    return restore(p, row_weights(p, lse4, h, r))
+    return p.restore(row_weights(p, lse4, h, r))
 
 
 def row_weights(p: Problem, lse: Tensor, heads: Tensor, rows: Tensor) -> Tensor:
@@ -207,12 +207,3 @@ def row_weights(p: Problem, lse: Tensor, heads: Tensor, rows: Tensor) -> Tensor:
     _, e = scores(p, lse, heads, rows, 0, p.Lk)  # [B, h, r, Lk]
     z = e.sum(dim=-1, keepdim=True)  # [B, h, r, 1]: 1 up to rounding, 0 for fully masked rows
     return e / torch.where(z > 0, z, torch.ones_like(z))
-
-
-def restore(p: Problem, t: Tensor) -> Tensor:
-    """Drop the batch/head dims that unbatched inputs did not have."""
-    if p.orig_ndim == 2:
-        return t[0, 0]
-    if p.orig_ndim == 3:
-        return t[0]
-    return t

@@ -137,7 +137,7 @@ def softmax_lse(s: Tensor) -> tuple[Tensor, Tensor]:
     # by a row sum, so an lse off by the float32 sum's rounding (~1e-7 relative) leaves rows of
     # P summing to 1 + 1e-7 and dS rows to D * 1e-7, which gradients weighting whole rows
     # (an ALiBi slope: sum of dS * (kv - q)) multiply by the distance: 7x plain PyTorch's
-    # error at Lq=113, Lk=256 (issue 9).
+    # error at Lq=113, Lk=256.
     den64 = e.sum(dim=-1, keepdim=True, dtype=torch.float64)  # [..., 1]
     dead = den64 == 0  # no visible key; a NaN score leaves den64 NaN, and NaN it stays
     safe64 = torch.where(dead, torch.ones_like(den64), den64)

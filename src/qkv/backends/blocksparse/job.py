@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -120,7 +120,7 @@ Segment = tuple[int, int, int, int, bool]
 #   native_band - qkv's compiled band kernel (sliding windows, float32 CPU)
 #   band_groups - torch's fused kernel on query blocks batched along a band
 #   pieces      - per query block, its visible key blocks (fused, or explicit matmuls)
-ROUTES = ("segments", "native_band", "band_groups", "pieces")
+JobRoute = Literal["segments", "native_band", "band_groups", "pieces"]
 
 
 class Watch:
@@ -138,12 +138,12 @@ EMPTY_SCHEDULE = Schedule([], [])
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Job:
     """Everything the kernels need for one call besides the tensors: the route the plan chose
-    (``route``, one of :data:`ROUTES`), its schedule and the mask and score sources. Frozen:
+    (``route``, a :data:`JobRoute`), its schedule and the mask and score sources. Frozen:
     the plan decides it once; ``run`` adds the per-call values (dropout seed, the tensors a
     score_mod closes over) with :meth:`for_run`."""
 
     p: Problem
-    route: str
+    route: JobRoute
     fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
     segments: tuple[Segment, ...] = ()  # mask-free fused calls covering the problem
     fwd: Schedule = field(default_factory=lambda: EMPTY_SCHEDULE)  # pieces and band groups

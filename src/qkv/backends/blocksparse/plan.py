@@ -1,6 +1,6 @@
 """Planning one block-sparse call: the one place that decides how it is computed.
 
-:func:`make_job` reads the classified problem and picks a route (``job.ROUTES``):
+:func:`make_job` reads the classified problem and picks a route (``job.JobRoute``):
 
 1. **segments** — the problem is one or a few mask-free fused calls: no mask or causal (the
    fused kernel's ``is_causal`` is top-left aligned, as :data:`qkv.causal`), prefix-LM

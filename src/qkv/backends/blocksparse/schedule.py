@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 
 
 # Scores (or float-mask entries) one piece may hold at once: 4 Mi elements = 16 MiB in
-# float32. Bounds the engine's extra memory whatever the sequence length (DESIGN.md: no path
+# float32. Bounds the engine's extra memory whatever the sequence length (the contract: no path
 # silently needs O(n²) memory).
 PIECE_BUDGET = 1 << 22
 

@@ -7,7 +7,7 @@ meant for long query runs. ``kernels/decode.cpp`` instead makes its work items
 (batch, kv head, key split): each runs an online softmax over its share of the keys for all
 ``G * Lq`` query rows of that kv head (grouped-query heads read each key once), and the
 splits are merged by their maxima and sums (FlashDecoding's split-key scheme, Dao et al.
-2023). Measured in benchmarks/RESULTS.md (issue 10): ~2x torch's SDPA on a SmolLM2 decode
+2023). Measured in benchmarks/RESULTS.md: ~2x torch's SDPA on a SmolLM2 decode
 step from 100 to 16k cached keys on 2 threads.
 
 It computes float32 CPU problems with at most ``MAX_ROWS`` query rows per kv head, no score
@@ -121,6 +121,14 @@ class DecodeBackend(Backend):
         if not one_run_per_row(p.mask):
             return f"the mask ({p.mask.name}) does not give each row one contiguous run of keys"
         return LIBRARY.disabled()
+
+    def claims(self, p: Problem) -> str | None:
+        # Measured (benchmarks/RESULTS.md): 0.3-0.8x SDPA's time for up to 16 query
+        # rows per kv head on 2 threads, ~0.5x on a SmolLM2 decode step at 100-16k keys.
+        return (
+            "qkv's decode kernel computes this faster (a few query rows per kv head against "
+            "their keys, the keys split across threads)"
+        )
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         if not dry_run and p.device.type == "cpu" and LIBRARY.ops() is None:

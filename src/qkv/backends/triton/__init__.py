@@ -21,7 +21,7 @@ import importlib.util
 import torch
 
 from ..._problem import Problem
-from ..base import Backend, Route, no_keys_result, unit_last_stride
+from ..base import Backend, Route, imprecise_backward, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings
 from .lists import block_mask_at, mask_spec, tile_lists
@@ -45,6 +45,11 @@ class TritonBackend(Backend):
 
     name = "triton"
     materialises_scores = False  # O(n) memory: tiles only
+
+    def auto_skip(self, p: Problem) -> str | None:
+        if p.device.type != "cuda":
+            return "Triton's interpreter runs on the CPU only for tests (hundreds of times slower)"
+        return imprecise_backward(p)
 
     def rejects(self, p: Problem) -> str | None:
         if not _have_triton():

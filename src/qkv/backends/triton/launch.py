@@ -1,6 +1,6 @@
 """Launching the Triton kernels: tilings, argument packing, and the autograd Function.
 
-Three layers (STYLE.md rule 7): :class:`qkv.backends.triton.TritonBackend` →
+Three layers: :class:`qkv.backends.triton.TritonBackend` →
 :class:`TritonAttention`
 (this file) → the kernels (``kernels/``: forward.py, backward.py, parts.py).
 """

@@ -8,7 +8,7 @@
 // kv head and their Lq rows are R = G * Lq rows of one problem, so each key and value row is
 // read once for all of them.
 //
-// Why it exists (benchmarks/RESULTS.md, issue 10): torch's fused CPU kernel parallelises over
+// Why it exists (benchmarks/RESULTS.md): torch's fused CPU kernel parallelises over
 // (batch, head, query block). A decode step has one query block per head, so with 3 kv heads on
 // 2 threads one thread does twice the other's work, and every call pays for blocking and
 // packing meant for long query runs. Here the work items are (batch, kv head, key split): the

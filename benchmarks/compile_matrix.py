@@ -1,0 +1,137 @@
+"""Which qkv.attention calls torch.compile can trace: fullgraph or not, graph breaks, time.
+
+For every mask and score kind (and return_lse), at a length where ``auto`` may take SDPA with a
+dense mask (200) and one where the block-sparse engine runs (1100), this script compiles
+``qkv.attention`` forward + backward with ``backend="aot_eager"`` (traces what inductor would,
+without code generation) and reports:
+
+- ``fullgraph``: ``ok`` when ``torch.compile(fullgraph=True)`` traced it and the result equals
+  eager (1e-5 relative), else the first line of the error;
+- ``breaks``: graph breaks under the default compile (``torch._dynamo.explain``);
+- ``compile s``: the wall time of the first fullgraph (or default) call.
+
+Not a test (it measures where qkv stands; the compile tests assert what must hold). Run::
+
+    .venv/bin/python benchmarks/compile_matrix.py [--lengths 200 1100] [--only window]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-inductor-"))
+
+import torch
+import torch._dynamo
+
+import qkv
+
+sys.path.insert(0, os.path.dirname(__file__))
+from machine import describe
+
+B, H, HKV, D = 1, 4, 2, 32
+
+
+def _cases(L: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
+    ids = torch.arange(L) * 3 // L
+    bias = torch.randn(1, H, L, L, generator=gen)
+    table = torch.randn(2 * 16 + 1, H, generator=gen, requires_grad=True)
+    return {
+        "none": {},
+        "causal": {"mask": qkv.causal},
+        "window": {"mask": qkv.sliding_window(32)},
+        "prefix_lm": {"mask": qkv.prefix_lm(16)},
+        "document": {"mask": qkv.document(ids)},
+        "padding": {"mask": qkv.padding(torch.tensor([L - 5]))},
+        "and": {"mask": qkv.and_masks(qkv.causal, qkv.document(ids))},
+        "or": {"mask": qkv.or_masks(qkv.sliding_window(8), qkv.prefix_lm(4))},
+        "bool": {"mask": torch.rand(L, L, generator=gen) > 0.3},
+        "blockmask": {"mask": qkv.block_mask(qkv.causal, B, H, L, L)},
+        "mask_mod": {"mask": lambda b, h, qi, ki: (qi - ki) % 3 == 0},
+        "bias": {"score_mod": bias},
+        "alibi": {"mask": qkv.causal, "score_mod": qkv.alibi(qkv.alibi_slopes(H))},
+        "softcap": {"score_mod": qkv.softcap(20.0)},
+        "relative": {"score_mod": qkv.relative_bias(table, 16)},
+        "score_mod": {"score_mod": lambda s, b, h, qi, ki: s * 0.5},
+        "lse": {"mask": qkv.causal, "return_lse": True},
+    }
+
+
+def _loss(out: Any) -> torch.Tensor:
+    if isinstance(out, tuple):
+        return out[0].sum() + out[1].sum()
+    return out.sum()
+
+
+def _run(fn: Callable[..., Any], q, k, v, kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, **kw)
+    loss = _loss(out)
+    return loss.detach(), list(torch.autograd.grad(loss, leaves))
+
+
+def _fullgraph(q, k, v, kw) -> tuple[str, float]:
+    torch._dynamo.reset()
+    want, wgrads = _run(qkv.attention, q, k, v, kw)
+    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    t0 = time.perf_counter()
+    try:
+        got, grads = _run(f, q, k, v, kw)
+    except Exception as e:  # a report, not a test: every failure is a row of the table
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{type(e).__name__}: {first[:70]}", time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    ok = all(
+        torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        for a, b in zip([got, *grads], [want, *wgrads], strict=True)
+    )
+    return ("ok" if ok else "DIFFERS from eager"), dt
+
+
+def _breaks(q, k, v, kw) -> str:
+    torch._dynamo.reset()
+    try:
+        ex = torch._dynamo.explain(qkv.attention)(q, k, v, **kw)
+    except Exception as e:
+        return f"explain failed: {type(e).__name__}"
+    return str(ex.graph_break_count)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[200, 1100])
+    ap.add_argument("--only", nargs="*", default=None, help="case names to run")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")  # dynamo's advice per graph break: the table says it
+    torch._logging.set_logs(dynamo=logging.ERROR)
+    torch.manual_seed(0)
+    print(describe())
+    print(f"torch {torch.__version__}; B={B} H={H} Hkv={HKV} D={D}; backend aot_eager, fwd+bwd")
+    for L in args.lengths:
+        gen = torch.Generator().manual_seed(L)
+        q = torch.randn(B, H, L, D, generator=gen)
+        k = torch.randn(B, HKV, L, D, generator=gen)
+        v = torch.randn(B, HKV, L, D, generator=gen)
+        cases = _cases(L, gen)
+        traced = 0
+        print(f"\nL = {L}")
+        print(f"  {'case':<10} {'fullgraph':<80} {'breaks':>6} {'compile s':>9}")
+        for name, kw in cases.items():
+            if args.only and name not in args.only:
+                continue
+            status, dt = _fullgraph(q, k, v, kw)
+            traced += status == "ok"
+            print(f"  {name:<10} {status:<80} {_breaks(q, k, v, kw):>6} {dt:>9.1f}")
+        print(f"  fullgraph traced and equal to eager: {traced} of {len(cases)}")
+
+
+if __name__ == "__main__":
+    main()
