@@ -1,34 +1,39 @@
 """Repeat calls without a score_mod: the decision made once per call signature.
 
 A decoder calls attention with the same shapes in every layer and, while decoding, with
-shapes that differ only in the cache length. With no score_mod and no mask, or one of qkv's
-band masks (``qkv.causal``, ``qkv.sliding_window``, the KV cache's and qkv.hf's shifted bands,
-which every layer of a forward shares), the plan depends on nothing but the tensors' shapes,
-dtypes, devices and autograd flags, the mask object and the call's scalars, so
-the first call of a signature runs the full door (``validate``) and the planner; later calls
-with the same signature run its route as a function of the tensors alone (the backend's
-``runner``: no problem object, nothing decided again). The signature holds everything the
-checks and the decision read, so a hit is a call the full path has already accepted and would
-decide the same way. Only backends whose routes carry nothing of the first call's tensors
-give runners (SDPA and the decode kernel; the block-sparse and Triton routes hold per-call
-jobs). Measured on a GQA decode step (benchmarks/RESULTS.md): validate + decide
-cost ~15 us a call, the lookup ~2 us; inside a model, where the weights streaming past evict
-Python's own data between calls, every line of this path costs several times more.
+shapes that differ only in the cache length. With no score_mod and no mask, one of qkv's band
+masks (``qkv.causal``, ``qkv.sliding_window``, the KV cache's and qkv.hf's shifted bands, which
+every layer of a forward shares), or a document or padding mask (keyed on its tensors'
+identities and version counters: an in-place edit is a new signature), the plan depends on
+nothing but the tensors' shapes, dtypes, devices and autograd flags, the mask, the call's
+scalars and ``QKV_NATIVE``, so the first call of a signature runs the full door
+(``validate``) and the planner; later calls with the same signature run its route as a
+function of the tensors alone (the backend's ``runner``: no problem object, nothing decided
+again; SDPA binds a mask's dense tensor once). The signature holds everything the checks and
+the decision read, so a hit is a call the full path has already accepted and would decide the
+same way. Backends give runners where their route can be bound once: SDPA, the decode kernel,
+and the block-sparse engine's compiled band kernel without gradients (its other routes and
+Triton's hold per-call jobs). Measured on a GQA decode step (benchmarks/RESULTS.md): validate
++ decide cost ~15 us a call, the lookup ~2 us; on a small masked call (B=4 H=4 L=48 D=32) the
+full path cost 2.3x SDPA given the dense mask, a kept runner 1.0-1.1x.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from . import planner
 from .backends import BACKENDS
 from .backends.base import Runner
-from .masks import _Band
+from .masks import _Band, _Document, _KvBelow
 
 Tensor = torch.Tensor
 
 _ROUTES: dict[tuple[object, ...], Runner] = {}
-_MASKS = ("none", "causal", "band")  # what a kept call's mask classifies as
+# what a kept call's mask classifies as
+_MASKS = ("none", "causal", "band", "document", "padding", "prefix")
 _MAX = 512  # signatures kept (a model's layers share one; decoding adds one per length)
 
 
@@ -41,21 +46,37 @@ def signature(
     return_lse: bool,
     backend: object,
 ) -> tuple[object, ...] | None:
-    """The key of a call, or ``None`` when it is not one this cache takes. A band mask is part
-    of the key as the object itself (hashed by identity; the kept key holds it, so its id is
-    not reused while it is kept): a band holds no tensors and nothing in it changes."""
+    """The key of a call, or ``None`` when it is not one this cache takes. A built-in mask is
+    part of the key as the object itself (hashed by identity; the kept key holds it, so its id
+    is not reused while it is kept): a band holds no tensors and nothing in it changes; a
+    document or padding mask's tensors enter as (identity, version counter), so an in-place
+    edit of its ids or lengths is a new signature. ``QKV_NATIVE`` is part of it (the decision
+    reads it)."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None  # subclasses and non-tensors take the full path (and its errors)
     if q.ndim != 4 or not (scale is None or type(scale) is float):
         return None
-    if mask is not None and type(mask) is not _Band:
-        return None
+    held: tuple[object, ...] = ()
+    if mask is not None:
+        kind = type(mask)
+        if kind is _Document:
+            held = _versions((mask.ids,))  # type: ignore[attr-defined]
+        elif kind is _KvBelow:
+            held = _versions((mask.limit, mask.start))  # type: ignore[attr-defined]
+        elif kind is not _Band:
+            return None
     grad = torch.is_grad_enabled()
     return (
         q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
         grad and q.requires_grad, grad and k.requires_grad, grad and v.requires_grad,
-        mask, scale, return_lse, backend, planner.dense_limit(),
+        mask, held, scale, return_lse, backend, planner.dense_limit(),
+        os.environ.get("QKV_NATIVE"),
     )  # fmt: skip
+
+
+def _versions(values: tuple[object, ...]) -> tuple[object, ...]:
+    """Tensors as (identity, version counter); anything else (an int limit, None) as is."""
+    return tuple((id(t), t._version) if isinstance(t, Tensor) else t for t in values)
 
 
 def lookup(key: tuple[object, ...]) -> Runner | None:

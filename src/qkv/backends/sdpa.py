@@ -139,22 +139,24 @@ class SdpaBackend(Backend):
         return out, None
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        if p.mask.kind not in ("none", "causal") or p.score.kind != "none" or p.dropout_p > 0:
-            return None
-        if _explicit_causal(p):
+        if p.score.kind != "none" or p.dropout_p > 0:
             return None
         if _folds_groups(p) and not p.requires_grad():
             return _folded(p)
         if p.groups > 1 and not _NATIVE_GQA:
             return None
-        gqa, causal, scale = p.groups > 1, p.mask.kind == "causal", p.scale
+        gqa, scale = p.groups > 1, p.scale
+        causal = p.mask.kind == "causal" and not _explicit_causal(p)
+        # Any other mask as the dense tensor run() would build, once: the caller keys a kept
+        # runner on the mask object and its tensors' versions (qkv._plain), so it stays valid.
+        attn = None if p.mask.kind == "none" or causal else dense_mask(p)
         graded = p.requires_grad()
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None] | None:
             if graded and logit_bound(q, k, scale) > HUGE_LOGIT:
                 return None  # SDPA's backward would lose precision: the planner decides again
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
+                q, k, v, attn_mask=attn, is_causal=causal, scale=scale, enable_gqa=gqa
             )  # [B, Hq, Lq, Dv]
             return out, None
 

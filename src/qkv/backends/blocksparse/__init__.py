@@ -24,7 +24,7 @@ import torch
 
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
-from ..base import HUGE_LOGIT, Backend, Route, no_keys_result, unit_last_stride
+from ..base import HUGE_LOGIT, Backend, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
@@ -88,6 +88,9 @@ class BlocksparseBackend(Backend):
             detail=job,
         )
 
+    def runner(self, p: Problem, route: Route) -> Runner | None:
+        return _band_runner(p, route.detail)
+
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
@@ -122,6 +125,21 @@ class BlocksparseBackend(Backend):
             job = make_job(p, matmul=True).for_run(seed=seed)
             out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
         return _maybe_lse(p, (out, lse))
+
+
+def _band_runner(p: Problem, job: Job) -> Runner | None:
+    """The compiled band kernel's forward with everything but the tensors bound, for repeat
+    calls that need no gradient (a sliding window in a model's forward under no_grad)."""
+    if job.native_band is None or p.requires_grad() or p.B * p.Hq * p.Lq == 0:
+        return None
+    from . import native  # (imported here, as forward() does)
+
+    (lo, hi), scale = job.native_band, p.scale
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        return native.band_forward(q, k, v, lo, hi, scale)
+
+    return run
 
 
 def _extra_memory(p: Problem) -> int:

@@ -152,7 +152,9 @@ class DecodeBackend(Backend):
         return out, (lse if p.return_lse else None)
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        return _bound(p) if p.mask.kind in ("none", "causal", "band") else None
+        # per-batch key ranges (padding) are read from the mask's tensors once, here: a kept
+        # runner is keyed on their versions (qkv._plain)
+        return _bound(p) if p.mask.kind in ("none", "causal", "band", "padding") else None
 
 
 def forward(p: Problem, splits: int = 0) -> tuple[Tensor, Tensor]:
