@@ -95,7 +95,9 @@ def test_generate_chat_sampling_is_seeded() -> None:
     [
         (("--model", "gpt5"), "unknown model name 'gpt5'; known names: 'all-minilm-l6-v2'"),
         (("--model", "all-minilm-l6-v2"), "is an encoder (TextEncoder), which does not generate"),
-        (("--max-new-tokens", "-2"), "max_new_tokens must be an int >= 0"),
+        (("--max-new-tokens", "-2"), "must be at least 1 (how many tokens to generate), got -2"),
+        # issue 19 item 8: 0 ran nothing and printed "0.0 tokens/s" twice
+        (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1 (how many tokens"),
     ],
 )
 def test_generate_errors_are_one_line(args: tuple[str, ...], message: str) -> None:
@@ -104,3 +106,16 @@ def test_generate_errors_are_one_line(args: tuple[str, ...], message: str) -> No
     assert r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("qkv generate: error: ")
     assert message in r.stderr
+
+
+def test_speed_line_gives_only_measured_rates() -> None:
+    """Issue 19 item 8: no "0.0 tokens/s" for a rate that was never measured."""
+    from qkv.models import GenerationStats
+
+    s = GenerationStats()
+    s.prompt_tokens = 7
+    assert repr(s) == "prompt 7 tokens, decode 0 tokens"  # nothing ran (the context was full)
+    s.prefill_s, s.new_tokens = 0.5, 1
+    assert repr(s) == "prompt 7 tokens at 14.0 tokens/s, decode 1 tokens"  # came with the prompt
+    s.new_tokens, s.decode_s = 5, 2.0
+    assert repr(s) == "prompt 7 tokens at 14.0 tokens/s, decode 5 tokens at 2.0 tokens/s"

@@ -37,8 +37,12 @@ def _run(args: argparse.Namespace) -> int:
 
     import qkv.models
 
-    if args.max_new_tokens < 0:  # refused before the model loads
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:  # refused before the model loads
+        # 0 would run nothing at all (not even the prompt) and report no speed: a mistake
+        raise ValueError(
+            f"--max-new-tokens must be at least 1 (how many tokens to generate), got "
+            f"{args.max_new_tokens}"
+        )
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
@@ -61,12 +65,8 @@ def _run(args: argparse.Namespace) -> int:
     for piece in pieces:
         out.write(piece)
         out.flush()
-    s = model.last_stats
-    out.write(
-        f"\n[{model.config.name} on qkv: prompt {s.prompt_tokens} tokens at "
-        f"{s.prompt_tokens_per_s:.1f} tokens/s, decode {s.new_tokens} tokens at "
-        f"{s.decode_tokens_per_s:.1f} tokens/s]\n"
-    )
+    # GenerationStats' repr gives each rate only where it was measured
+    out.write(f"\n[{model.config.name} on qkv: {model.last_stats!r}]\n")
     return 0
 
 

@@ -42,10 +42,14 @@ class GenerationStats:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
     def __repr__(self) -> str:
-        return (
-            f"prompt {self.prompt_tokens} tokens at {self.prompt_tokens_per_s:.1f} tokens/s, "
-            f"decode {self.new_tokens} tokens at {self.decode_tokens_per_s:.1f} tokens/s"
-        )
+        # a rate only where one was measured: "0.0 tokens/s" would read as a real speed
+        prompt = f"prompt {self.prompt_tokens} tokens"
+        if self.prefill_s > 0:
+            prompt += f" at {self.prompt_tokens_per_s:.1f} tokens/s"
+        decode = f"decode {self.new_tokens} tokens"
+        if self.new_tokens > 1 and self.decode_s > 0:
+            decode += f" at {self.decode_tokens_per_s:.1f} tokens/s"
+        return f"{prompt}, {decode}"
 
 
 class TextDecoder(nn.Module):
