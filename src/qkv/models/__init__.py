@@ -206,6 +206,13 @@ def _load_encoder(path: Path, dtype: torch.dtype, device: torch.device | str | N
         max_length=ckpt.pooling.max_seq_length,
         lowercase=ckpt.pooling.lowercase,
     )
+    if tokenizer.vocab_size > ckpt.config.vocab_size:
+        # its ids past the embedding table would fail as an IndexError in the forward
+        raise ValueError(
+            f"{ckpt.tokenizer_file} has {tokenizer.vocab_size} tokens but "
+            f"{ckpt.model_dir / 'config.json'} gives vocab_size {ckpt.config.vocab_size} (rows "
+            f"of the embedding table); the tokenizer and the weights do not belong together"
+        )
     # Built on the CPU and then given the checkpoint's tensors (assign=True: no copy). Building
     # on the meta device would skip the random init (0.13 s for MiniLM) but its first use imports
     # torch._dynamo (1.5 s measured), which the `qkv explain` start-up cannot afford.

@@ -11,6 +11,7 @@ the checkpoint is ever run.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,45 @@ def _int(cfg: dict[str, Any], key: str, file: Path, default: int | None = None) 
     return val
 
 
+def _number(cfg: dict[str, Any], key: str, file: Path, default: float) -> float:
+    val = cfg.get(key, default)
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        raise ValueError(f"{file}: '{key}' must be a number, got {val!r}")
+    return float(val)
+
+
+def _epsilon(cfg: dict[str, Any], key: str, file: Path, default: float) -> float:
+    """A LayerNorm epsilon: finite and > 0 (a NaN one makes every output NaN, a negative one
+    can divide by zero), refused where it is read."""
+    val = _number(cfg, key, file, default)
+    if not (math.isfinite(val) and val > 0):
+        raise ValueError(f"{file}: '{key}' must be a finite number > 0, got {val!r}")
+    return val
+
+
+def _probability(cfg: dict[str, Any], key: str, file: Path, default: float) -> float:
+    """A dropout probability, in [0, 1) (torch would refuse it only when the model is built,
+    naming no file)."""
+    val = _number(cfg, key, file, default)
+    if not 0 <= val < 1:
+        raise ValueError(f"{file}: '{key}' must be in [0, 1), got {val!r}")
+    return val
+
+
+def _pad_id(cfg: dict[str, Any], file: Path, vocab_size: int) -> int:
+    """pad_token_id: absent or null means 0; an id past the embedding table is refused (torch
+    would fail with ``AssertionError: Padding_idx must be within num_embeddings``)."""
+    pad = cfg.get("pad_token_id")
+    if pad is None:
+        return 0
+    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab_size:
+        raise ValueError(
+            f"{file}: 'pad_token_id' = {pad!r} must be a token id in 0..{vocab_size - 1} "
+            f"(vocab_size is {vocab_size})"
+        )
+    return pad
+
+
 def _bert_config(file: Path) -> BertConfig:
     cfg = _read_json(file)
     if not isinstance(cfg, dict):
@@ -179,20 +219,20 @@ def _bert_config(file: Path) -> BertConfig:
         raise ValueError(
             f"{file}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads}"
         )
-    pad = cfg.get("pad_token_id", 0)
+    vocab_size = _int(cfg, "vocab_size", file)
     return BertConfig(
-        vocab_size=_int(cfg, "vocab_size", file),
+        vocab_size=vocab_size,
         d_model=d_model,
         n_layers=_int(cfg, "num_hidden_layers", file),
         n_heads=n_heads,
         d_ff=_int(cfg, "intermediate_size", file),
         max_positions=_int(cfg, "max_position_embeddings", file),
         type_vocab_size=_int(cfg, "type_vocab_size", file, default=2),
-        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        layer_norm_eps=_epsilon(cfg, "layer_norm_eps", file, 1e-12),
         activation=act,
-        pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else 0,
-        attention_dropout=float(cfg.get("attention_probs_dropout_prob", 0.1)),
-        hidden_dropout=float(cfg.get("hidden_dropout_prob", 0.1)),
+        pad_token_id=_pad_id(cfg, file, vocab_size),
+        attention_dropout=_probability(cfg, "attention_probs_dropout_prob", file, 0.1),
+        hidden_dropout=_probability(cfg, "hidden_dropout_prob", file, 0.1),
         architecture=arch,
     )
 

@@ -15,6 +15,7 @@ float32 results are allocated.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -105,31 +106,69 @@ def _check_type(path: Path, info: GGUFTensorInfo) -> None:
 
 
 class _Cursor:
-    """Little-endian reads from a buffer at a moving offset."""
+    """Little-endian reads from a buffer at a moving offset, each checked against the end of
+    the file: a truncated or corrupt file fails with one ValueError naming the file and the
+    field being read (``where``), never with ``struct.error`` or a short read taken as whole."""
 
     def __init__(self, buf: Any, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+        self.where = "the header"  # what is being read, for the error message
+
+    def corrupt(self, what: str) -> ValueError:
+        return ValueError(
+            f"{self.path} is truncated or corrupt: {what} (in {self.where}); the file is "
+            f"{self.size} bytes. Download or convert it again"
+        )
+
+    def need(self, n: int, what: str) -> None:
+        """Fail unless ``n`` more bytes are in the file (checked before anything is read or
+        allocated from a count that the file itself gave)."""
+        if n > self.size - self.pos:
+            raise self.corrupt(
+                f"{what} needs {n} bytes at byte {self.pos} but the file ends at byte {self.size}"
+            )
 
     def scalar(self, fmt: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, "a value")
         (v,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        self.pos += n
         return v
 
+    def count(self, fmt: str, min_item_bytes: int, what: str) -> int:
+        """A count read from the file, refused when that many items, each at least
+        ``min_item_bytes`` long, cannot fit in the bytes that are left."""
+        n = int(self.scalar(fmt))
+        if n * min_item_bytes > self.size - self.pos:
+            raise self.corrupt(
+                f"{what} is {n}, which needs at least {n * min_item_bytes} more bytes, but only "
+                f"{self.size - self.pos} are left"
+            )
+        return n
+
     def string(self) -> str:
-        n = self.scalar("Q")
+        n = self.count("Q", 1, "a string's length")
         s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
     def strings(self, count: int) -> list[str]:
-        # The hot loop of the header (98k strings for SmolLM2's vocabulary and merges).
+        # The hot loop of the header (98k strings for SmolLM2's vocabulary and merges): no
+        # check per string. A length past the end makes the next unpack fail (struct.error, or
+        # OverflowError past 2**63: turned into the error below) or leaves pos past the end,
+        # checked after the loop.
         buf, pos, out = self.buf, self.pos, []
         unpack = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            (n,) = unpack(buf, pos)
-            pos += 8
-            out.append(buf[pos : pos + n].decode("utf-8", errors="replace"))
-            pos += n
+        try:
+            for _ in range(count):
+                (n,) = unpack(buf, pos)
+                pos += 8
+                out.append(buf[pos : pos + n].decode("utf-8", errors="replace"))
+                pos += n
+        except (struct.error, OverflowError):
+            pos = self.size + 1
+        if pos > self.size:
+            raise self.corrupt(f"string {len(out)} of {count} runs past the end of the file")
         self.pos = pos
         return out
 
@@ -139,25 +178,40 @@ class _Cursor:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            itype, count = self.scalar("I"), self.scalar("Q")
+            itype = self.scalar("I")
             if itype == _STRING:
-                return self.strings(count)
+                return self.strings(self.count("Q", 8, "the array's length"))
             if itype in _NUMPY:
                 dt = _NUMPY[itype]
+                count = self.count("Q", dt.itemsize, "the array's length")
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
                 self.pos += dt.itemsize * count
                 return arr.tolist()
-            return [self.value(itype) for _ in range(count)]  # arrays of arrays (rare)
-        raise ValueError(f"{self.path.name}: unknown GGUF value type {vtype} at byte {self.pos}")
+            if itype != _ARRAY:
+                raise self.corrupt(f"unknown GGUF array item type {itype} at byte {self.pos}")
+            # arrays of arrays (rare): each at least its item type and its length
+            count = self.count("Q", 12, "the array's length")
+            return [self.value(itype) for _ in range(count)]
+        raise self.corrupt(f"unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+# llama.cpp's GGML_MAX_DIMS: a tensor has at most 4 dimensions.
+_MAX_DIMS = 4
+# The fewest bytes a key/value pair (key length, an empty key, value type, a 1-byte value) and
+# a tensor info (name length, an empty name, n_dims, type, offset) take: counts are checked
+# against them before a loop runs that many times.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 
 
 def read_gguf(path: Path) -> GGUFFile:
     """Parse the header, metadata and tensor table of the GGUF file at ``path``.
 
     Raises FileNotFoundError for a missing file and ValueError for a file that is not GGUF
-    (bad magic) or of an unsupported version.
+    (bad magic), of an unsupported version, or truncated or corrupt (a count, length, offset
+    or dimension that disagrees with the file: checked before anything is allocated from it).
     """
-    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+    from gguf import GGUF_MAGIC
 
     path = Path(path)
     if not path.is_file():
@@ -166,40 +220,105 @@ def read_gguf(path: Path) -> GGUFFile:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
-            raise ValueError(f"{path.name}: empty file, not a GGUF file") from None
+            raise ValueError(f"{path}: empty file, not a GGUF file") from None
     cur = _Cursor(buf, path)
-    if len(buf) < 24 or cur.scalar("I") != GGUF_MAGIC:
+    if len(buf) < 4 or cur.scalar("I") != GGUF_MAGIC:
         raise ValueError(
-            f"{path.name} is not a GGUF file (it does not start with the bytes 'GGUF'); give a "
+            f"{path} is not a GGUF file (it does not start with the bytes 'GGUF'); give a "
             f".gguf file written by llama.cpp's converters"
         )
     version = cur.scalar("I")
     if version not in (2, 3):
-        raise ValueError(f"{path.name}: GGUF version {version}; qkv reads versions 2 and 3")
-    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+        raise ValueError(f"{path}: GGUF version {version}; qkv reads versions 2 and 3")
+    n_tensors = cur.count("Q", _MIN_TENSOR_INFO_BYTES, "the number of tensors")
+    n_kv = cur.count("Q", _MIN_KV_BYTES, "the number of metadata keys")
+    metadata = _read_metadata(cur, n_kv)
+    raw_infos = _read_tensor_infos(cur, n_tensors)
+    align = _alignment(metadata, path)
+    start = -(-cur.pos // align) * align  # the data section begins at the next aligned byte
+    tensors = _tensor_table(raw_infos, start, align, len(buf), path)
+    return GGUFFile(path, metadata, tensors, buf)
+
+
+def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
+    for i in range(n_kv):
+        cur.where = f"metadata key {i} of {n_kv}"
         key = cur.string()
+        cur.where = f"the value of metadata key {key!r}"
         metadata[key] = cur.value(cur.scalar("I"))
+    return metadata
+
+
+def _read_tensor_infos(cur: _Cursor, n_tensors: int) -> list[tuple[str, list[int], int, int]]:
     raw_infos = []
-    for _ in range(n_tensors):
+    for i in range(n_tensors):
+        cur.where = f"tensor info {i} of {n_tensors}"
         name = cur.string()
+        cur.where = f"the tensor info of {name}"
         n_dims = cur.scalar("I")
+        if n_dims > _MAX_DIMS:
+            raise cur.corrupt(f"{name} has {n_dims} dimensions; GGUF allows at most {_MAX_DIMS}")
         dims = [cur.scalar("Q") for _ in range(n_dims)]
         raw_infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
-    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
-    start = -(-cur.pos // align) * align  # the data section begins at the next aligned byte
+    return raw_infos
+
+
+def _alignment(metadata: dict[str, Any], path: Path) -> int:
+    from gguf import GGUF_DEFAULT_ALIGNMENT
+
+    align = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    # llama.cpp refuses the same: the data section and every tensor start on this boundary
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+        raise ValueError(
+            f"{path}: general.alignment = {align!r} must be a positive power of two; the file "
+            f"is corrupt"
+        )
+    return align
+
+
+def _tensor_table(
+    raw_infos: list[tuple[str, list[int], int, int]],
+    start: int,
+    align: int,
+    file_size: int,
+    path: Path,
+) -> dict[str, GGUFTensorInfo]:
+    """The tensor infos checked as llama.cpp's ``gguf_init_from_file`` checks them: a known
+    type, whole blocks per row, no duplicate names, and each tensor starting exactly where the
+    one before it ends (padded to ``align``). That last rule is what every GGUF writer does and
+    llama.cpp requires, and it catches a dimension or offset that disagrees with the data:
+    otherwise one tensor's bytes would be read as another's, or a shape as a wrong one."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     tensors: dict[str, GGUFTensorInfo] = {}
+    expected = 0  # where the next tensor must start, relative to the data section
     for name, dims, code, rel in raw_infos:
         try:
             qtype = GGMLQuantizationType(code)
         except ValueError:
-            raise ValueError(f"{path.name}: tensor {name} has unknown type code {code}") from None
+            raise ValueError(f"{path}: tensor {name} has unknown type code {code}") from None
+        if name in tensors:
+            raise ValueError(f"{path}: the tensor table lists {name} twice; the file is corrupt")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elems = int(np.prod(dims)) if dims else 1
-        n_bytes = n_elems * type_size // block
-        if start + rel + n_bytes > len(buf):
-            raise ValueError(f"{path.name} is truncated: tensor {name} runs past the file's end")
+        if dims and dims[0] % block:
+            raise ValueError(
+                f"{path}: tensor {name} has rows of {dims[0]} weights, not a whole number of "
+                f"{qtype.name} blocks of {block}; its dimensions {dims} are corrupt"
+            )
+        n_bytes = math.prod(dims) * type_size // block  # Python ints: no overflow to wrap
+        if rel != expected:
+            raise ValueError(
+                f"{path}: tensor {name} starts at data offset {rel}, but the tensors before it "
+                f"end at {expected}; a dimension or an offset in the tensor table is corrupt"
+            )
+        if start + rel + n_bytes > file_size:
+            raise ValueError(
+                f"{path} is truncated or corrupt: tensor {name} (dimensions {dims}, "
+                f"{qtype.name}) needs bytes up to {start + rel + n_bytes} but the file ends at "
+                f"{file_size}"
+            )
+        expected = rel + -(-n_bytes // align) * align
         shape = tuple(int(d) for d in reversed(dims))  # GGUF dims are fastest-first
         tensors[name] = GGUFTensorInfo(name, shape, qtype.name, code, start + rel, n_bytes)
-    return GGUFFile(path, metadata, tensors, buf)
+    return tensors

@@ -17,6 +17,8 @@ from .quantized import LinearPath
 
 __all__ = ["load_gguf", "load_hf_llama"]
 
+_IDS = ("bos", "eos", "eot")  # the special token ids a GGUF file may name
+
 
 def _expected(model: TextDecoder) -> dict[str, torch.Size]:
     """qkv parameter name → shape, the tied head counted once (as ``embed.weight``)."""
@@ -25,23 +27,25 @@ def _expected(model: TextDecoder) -> dict[str, torch.Size]:
 
 def load_gguf(path: Path, *, dtype: torch.dtype) -> TextDecoder:
     from ._gguf import read_gguf
-    from ._gguf_tokenizer import gguf_tokenizer
+    from ._gguf_tokenizer import gguf_tokenizer, token_id, vocabulary
     from ._llama_weights import gguf_state_dict
 
     g = read_gguf(path)
     meta = g.metadata
+    source = str(path)
     # The file name without its quantisation suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" ->
     # "SmolLM2-135M-Instruct"): general.name is often a training-run label
     # ("Smollm2 135M 8k Lc100K Mix1 Ep2" in that file).
     name = re.sub(r"[.\-_](?:i?q\d\w*|f16|f32|bf16)$", "", path.stem, flags=re.IGNORECASE)
-    cfg = config_from_gguf(meta, path.name, name)
+    tokens = vocabulary(meta, source)
+    cfg = config_from_gguf(meta, source, name)
+    _check_vocab_fits(len(tokens), cfg.vocab_size, source)
     tied = "output.weight" not in g.tensors
     cfg = LlamaConfig(**{**cfg.__dict__, "tie_embeddings": tied})
-    tokenizer = gguf_tokenizer(meta, path.name)
-    tokens = meta["tokenizer.ggml.tokens"]
-    eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-    eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
+    tokenizer = gguf_tokenizer(meta, source)
+    ids = {k: token_id(meta, f"tokenizer.ggml.{k}_token_id", len(tokens), source) for k in _IDS}
+    eos_ids = tuple(dict.fromkeys(i for i in (ids["eos"], ids["eot"]) if i is not None))
+    bos = ids["bos"]
     template = ChatTemplate(
         meta.get("tokenizer.chat_template"),
         bos_token=tokens[bos] if bos is not None else "",
@@ -54,6 +58,32 @@ def load_gguf(path: Path, *, dtype: torch.dtype) -> TextDecoder:
     model = _fill(shell, state, dtype)
     model.linear_path = _gguf_linear_path(model, g, dtype)
     return model
+
+
+def _check_vocab_fits(n_tokens: int, vocab_size: int, source: str) -> None:
+    """A tokenizer with more tokens than the embedding table has rows would emit ids the model
+    cannot look up (an IndexError in the middle of a generation)."""
+    if n_tokens > vocab_size:
+        raise ValueError(
+            f"{source}: the tokenizer has {n_tokens} tokens but the model's vocab_size is "
+            f"{vocab_size} (rows of its embedding table); the tokenizer and the weights do not "
+            f"belong together"
+        )
+
+
+def _read_json(file: Path) -> Any:
+    """A JSON file of a checkpoint folder, or one ValueError naming it."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); the checkpoint looks damaged") from None
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    value = _read_json(file) if file.is_file() else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _gguf_linear_path(model: TextDecoder, g: GGUFFile, dtype: torch.dtype) -> LinearPath:
@@ -71,37 +101,43 @@ def _gguf_linear_path(model: TextDecoder, g: GGUFFile, dtype: torch.dtype) -> Li
 
 
 def load_hf_llama(folder: Path, *, dtype: torch.dtype) -> TextDecoder:
-    from tokenizers import Tokenizer
-
     from ._llama_weights import hf_state_dict
+    from ._tokenizer import read_tokenizer
 
-    conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cfg = config_from_hf(conf, str(folder / "config.json"), folder.name)
+    conf_file = folder / "config.json"
+    conf = _json_object(conf_file)
+    cfg = config_from_hf(conf, str(conf_file), folder.name)
     tok_file = folder / "tokenizer.json"
     if not tok_file.is_file():
         raise FileNotFoundError(f"{folder} has no tokenizer.json; the decoder needs it")
-    tokenizer = Tokenizer.from_file(str(tok_file))
+    tokenizer = read_tokenizer(tok_file)
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    tcfg_file = folder / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_file.read_text(encoding="utf-8")) if tcfg_file.is_file() else {}
+    _check_vocab_fits(
+        tokenizer.get_vocab_size(with_added_tokens=True), cfg.vocab_size, str(tok_file)
+    )
+    tcfg = _json_object(folder / "tokenizer_config.json")
     source = tcfg.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if source is None and jinja.is_file():
         source = jinja.read_text(encoding="utf-8")
-    eos = conf.get("eos_token_id")
+    eos, eos_file = conf.get("eos_token_id"), conf_file
     gen_file = folder / "generation_config.json"
-    if gen_file.is_file():
-        eos = json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id", eos)
+    if "eos_token_id" in _json_object(gen_file):
+        eos, eos_file = _json_object(gen_file)["eos_token_id"], gen_file
     eos_list = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    eos_ids = tuple(int(i) for i in eos_list)
+    eos_ids = tuple(_hf_token_id(i, "eos_token_id", cfg.vocab_size, eos_file) for i in eos_list)
+    bos = conf.get("bos_token_id")
+    bos_id = (
+        _hf_token_id(bos, "bos_token_id", cfg.vocab_size, conf_file) if bos is not None else None
+    )
 
-    def token(i: Any) -> str:
-        return str(tokenizer.id_to_token(int(i))) if i is not None else ""
+    def token(i: int | None) -> str:
+        return str(tokenizer.id_to_token(i) or "") if i is not None else ""
 
     template = ChatTemplate(
         source,
-        bos_token=token(conf.get("bos_token_id")),
+        bos_token=token(bos_id),
         eos_token=token(eos_ids[0] if eos_ids else None),
     )
     files = _safetensors(folder)
@@ -110,14 +146,30 @@ def load_hf_llama(folder: Path, *, dtype: torch.dtype) -> TextDecoder:
     return _fill(shell, state, dtype)
 
 
+def _hf_token_id(i: Any, key: str, vocab_size: int, file: Path) -> int:
+    """A special token id from a config file, refused unless the model has that token."""
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+        raise ValueError(
+            f"{file}: {key} = {i!r} is not a token id of the model, whose vocab_size is "
+            f"{vocab_size} (ids 0..{vocab_size - 1})"
+        )
+    return i
+
+
 def _safetensors(folder: Path) -> tuple[Path, ...]:
     single = folder / "model.safetensors"
     if single.is_file():
         return (single,)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return tuple(folder / f for f in dict.fromkeys(weight_map.values()))
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map'; the checkpoint looks damaged")
+        files = tuple(folder / str(f) for f in dict.fromkeys(weight_map.values()))
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} lists the shard {f.name}, which is missing")
+        return files
     raise FileNotFoundError(f"{folder} has no model.safetensors (nor a sharded index)")
 
 

@@ -167,13 +167,13 @@ def hf_state_dict(
 ) -> dict[str, Tensor]:
     """The qkv ``state_dict`` of Hugging Face Llama safetensors ``files`` (no permutation:
     Hugging Face stores q/k in the rotate-half layout already)."""
-    from safetensors import safe_open
+    from ._weights import open_safetensors
 
     source = ", ".join(f.name for f in files)
     state: dict[str, Tensor] = {}
     unknown: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer old checkpoints saved; qkv recomputes it

@@ -15,7 +15,22 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["TextTokenizer", "pad_batch"]
+__all__ = ["TextTokenizer", "pad_batch", "read_tokenizer"]
+
+
+def read_tokenizer(file: Path) -> Any:
+    """``tokenizers.Tokenizer.from_file``, with one ValueError naming the file when it is not
+    a tokenizer (the library raises a bare ``Exception: expected `,` or `}` at line 1``)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises bare Exception for every failure
+        msg = " ".join(str(e).split())
+        raise ValueError(
+            f"{file} is not a tokenizer.json the tokenizers library can read ({msg}); the "
+            f"checkpoint's tokenizer file is damaged or of another kind: download it again"
+        ) from None
 
 
 class TextTokenizer:
@@ -26,7 +41,7 @@ class TextTokenizer:
 
         self.file = file
         self.max_length = max_length
-        self._whole: Any = Tokenizer.from_file(str(file))
+        self._whole: Any = read_tokenizer(file)
         self._whole.no_padding()
         self._whole.no_truncation()
         if lowercase:
@@ -40,6 +55,11 @@ class TextTokenizer:
         # truncation=True, max_length=max_length.
         self._cut: Any = Tokenizer.from_str(self._whole.to_str())
         self._cut.enable_truncation(max_length)
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids it can produce, added tokens included."""
+        return int(self._whole.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, truncate: bool = False) -> Any:
         """A ``tokenizers.Encoding`` (``.ids``, ``.tokens``, ``.offsets``) of one text."""

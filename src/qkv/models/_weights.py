@@ -19,13 +19,16 @@ part of the encoder and are skipped.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["load_state_dict"]
+__all__ = ["load_state_dict", "open_safetensors"]
 
 _EMBEDDINGS = {
     "embeddings.word_embeddings.weight": "encoder.embeddings.word.weight",
@@ -68,6 +71,23 @@ def _hf_to_qkv(name: str) -> str | None:
     raise KeyError(name)
 
 
+@contextmanager
+def open_safetensors(file: Path) -> Iterator[Any]:
+    """``safetensors.safe_open(file)``; a truncated or damaged file (``SafetensorError:
+    incomplete metadata, file not fully covered``, which names no file) is one ValueError
+    naming it, whether found when the file is opened or when a tensor is read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({e}); it is truncated or damaged: "
+            f"download it again"
+        ) from None
+
+
 def load_state_dict(
     files: tuple[Path, ...],
     expected: dict[str, tuple[torch.Size, torch.dtype]],
@@ -80,12 +100,10 @@ def load_state_dict(
     must be present with that shape, and no unknown encoder tensor may be left over, so that a
     checkpoint that does not match its ``config.json`` fails here and not with wrong numbers.
     """
-    from safetensors import safe_open
-
     state: dict[str, Tensor] = {}
     unknown: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 try:
                     name = _hf_to_qkv(hf_name)
