@@ -88,3 +88,15 @@ def test_qkv_native_is_part_of_the_signature(monkeypatch):
     out = qkv.attention(q, k, v, mask=mask)
     assert _close(out, _oracle(q, k, v, mask))
     assert "compiled band kernel" not in qkv.plan(q, k, v, mask=mask).forward
+
+
+def test_a_padding_mask_of_int32_lengths_sees_an_in_place_edit():
+    """The mask keeps an int64 copy of int32 lengths per device: keyed on their version, so
+    an in-place edit is never answered from a stale copy."""
+    lengths = torch.tensor([10, 10], dtype=torch.int32)
+    mask = qkv.padding(lengths)
+    idx = (torch.arange(2).view(2, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.long))
+    idx += (torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(10).view(1, 1, 1, 10))
+    assert mask(*idx).sum() == 20
+    lengths[0] = 3
+    assert mask(*idx).sum() == 13

@@ -117,14 +117,16 @@ class _KvBelow(_BuiltinMask):
 
     def __init__(self, limit: int | Tensor, name: str, start: Tensor | None = None) -> None:
         self.limit, self._name, self.start = limit, name, start
-        self._by_device: dict[tuple[str, torch.device], Tensor] = {}
+        # copies per device, with the version of the tensor they copied: an in-place edit of
+        # the lengths makes a new copy instead of leaving a stale one
+        self._by_device: dict[tuple[str, torch.device], tuple[int, Tensor]] = {}
 
     def _on(self, what: str, t: Tensor, device: torch.device) -> Tensor:
         got = self._by_device.get((what, device))
-        if got is None:
-            got = t.to(device=device, dtype=torch.int64)
+        if got is None or got[0] != t._version:
+            got = (t._version, t.to(device=device, dtype=torch.int64))
             self._by_device[(what, device)] = got
-        return got
+        return got[1]
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         if isinstance(self.limit, int):
@@ -189,14 +191,15 @@ class _Document(_BuiltinMask):
 
     def __init__(self, ids: Tensor) -> None:
         self.ids = ids
-        self._by_device: dict[torch.device, Tensor] = {}
+        # copies per device, with the version of the ids they copied (see _KvBelow._on)
+        self._by_device: dict[torch.device, tuple[int, Tensor]] = {}
 
     def _ids(self, device: torch.device) -> Tensor:
-        t = self._by_device.get(device)
-        if t is None:
-            t = self.ids.to(device)
-            self._by_device[device] = t
-        return t
+        got = self._by_device.get(device)
+        if got is None or got[0] != self.ids._version:
+            got = (self.ids._version, self.ids.to(device))
+            self._by_device[device] = got
+        return got[1]
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         ids = self._ids(q_idx.device)
