@@ -85,8 +85,17 @@ def _read_json(path: Path) -> Any:
     try:
         with path.open(encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint looks damaged") from e
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (a list or a string there would otherwise fail
+    later as an AttributeError naming no file)."""
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _listing(folder: Path) -> str:
@@ -114,7 +123,7 @@ def _weight_files(folder: Path) -> tuple[Path, ...]:
         return (single,)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = _read_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map'; the checkpoint looks damaged")
         shards = tuple(folder / name for name in dict.fromkeys(weight_map.values()))
@@ -183,9 +192,7 @@ def _pad_id(cfg: dict[str, Any], file: Path, vocab_size: int) -> int:
 
 
 def _bert_config(file: Path) -> BertConfig:
-    cfg = _read_json(file)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(cfg).__name__}")
+    cfg = _read_object(file)
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or ["BertModel"]
     arch = str(archs[0])
@@ -240,6 +247,8 @@ def _bert_config(file: Path) -> BertConfig:
 def _pooling_modes(cfg: dict[str, Any], file: Path) -> tuple[str, ...]:
     mode = cfg.get("pooling_mode")
     if mode is not None:
+        if not isinstance(mode, (str, list)):
+            raise ValueError(f"{file}: pooling_mode must be a string or a list, got {mode!r}")
         modes = (mode,) if isinstance(mode, str) else tuple(mode)
     else:
         modes = tuple(m for key, m in _LEGACY_POOLING_KEYS.items() if cfg.get(key, False))
@@ -265,6 +274,11 @@ def _sentence_pipeline(root: Path) -> tuple[Path, tuple[str, ...] | None, bool]:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ValueError(f"{modules_file} must hold a JSON list of modules")
+    if not all(isinstance(e, dict) and isinstance(e.get("idx", 0), int) for e in modules):
+        raise ValueError(
+            f"{modules_file} must list module objects with integer 'idx' fields; the "
+            f"checkpoint looks damaged"
+        )
     model_dir, modes, normalize, seen = root, None, False, []
     for entry in sorted(modules, key=lambda e: int(e.get("idx", 0))):
         kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
@@ -284,7 +298,7 @@ def _sentence_pipeline(root: Path) -> tuple[Path, tuple[str, ...] | None, bool]:
             pool_file = path / "config.json"
             if not pool_file.is_file():
                 raise _missing(path, "config.json", "the Pooling module's configuration")
-            modes = _pooling_modes(_read_json(pool_file), pool_file)
+            modes = _pooling_modes(_read_object(pool_file), pool_file)
         else:
             normalize = True
     if seen and seen[0] != "Transformer":
@@ -301,7 +315,7 @@ def _max_seq_length(root: Path, model_dir: Path, config: BertConfig) -> tuple[in
     for folder in dict.fromkeys((model_dir, root)):
         sbert = folder / "sentence_bert_config.json"
         if sbert.is_file():
-            cfg = _read_json(sbert)
+            cfg = _read_object(sbert)
             lowercase = bool(cfg.get("do_lower_case", False))
             msl = cfg.get("max_seq_length")
             if isinstance(msl, int) and not isinstance(msl, bool) and msl > 0:
@@ -309,7 +323,7 @@ def _max_seq_length(root: Path, model_dir: Path, config: BertConfig) -> tuple[in
             break
     tok_cfg = model_dir / "tokenizer_config.json"
     if tok_cfg.is_file():
-        mml = _read_json(tok_cfg).get("model_max_length")
+        mml = _read_object(tok_cfg).get("model_max_length")
         if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
             limit = min(limit, mml)
     return limit, lowercase

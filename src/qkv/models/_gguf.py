@@ -153,21 +153,23 @@ class _Cursor:
         return s
 
     def strings(self, count: int) -> list[str]:
-        # The hot loop of the header (98k strings for SmolLM2's vocabulary and merges): no
-        # check per string. A length past the end makes the next unpack fail (struct.error, or
-        # OverflowError past 2**63: turned into the error below) or leaves pos past the end,
-        # checked after the loop.
-        buf, pos, out = self.buf, self.pos, []
+        # The hot loop of the header (98k strings for SmolLM2's vocabulary and merges): each
+        # length is checked against the file's end before its bytes are decoded (a corrupt
+        # length would otherwise decode the rest of the file: 1 GB for SmolLM2's), and a
+        # length field past the end is the struct.error caught below.
+        buf, pos, size, out = self.buf, self.pos, self.size, []
         unpack = struct.Struct("<Q").unpack_from
         try:
             for _ in range(count):
                 (n,) = unpack(buf, pos)
                 pos += 8
+                if n > size - pos:
+                    break
                 out.append(buf[pos : pos + n].decode("utf-8", errors="replace"))
                 pos += n
-        except (struct.error, OverflowError):
-            pos = self.size + 1
-        if pos > self.size:
+        except struct.error:
+            pass
+        if len(out) < count:
             raise self.corrupt(f"string {len(out)} of {count} runs past the end of the file")
         self.pos = pos
         return out
