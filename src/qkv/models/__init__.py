@@ -132,8 +132,11 @@ def load(
         FileNotFoundError: the path or one of its files is missing (the message names it),
             a named model's package is not installed, or the folder has pickle weights only.
         ValueError: an unknown model name (the message lists the names), an unsupported
-            architecture or tensor type (the message says what is supported), or weights
-            that do not match the config.
+            architecture or tensor type (the message says what is supported), weights that
+            do not match the config, a damaged file (a truncated GGUF or safetensors file, a
+            count, dimension, offset or token id that disagrees with the file, a
+            tokenizer.json that is not one) or a config value that makes no sense (a NaN or
+            negative epsilon, head counts that do not divide): one line naming the file.
         ImportError: ``safetensors``, ``tokenizers`` or (for GGUF) ``gguf`` is missing.
 
     Example::

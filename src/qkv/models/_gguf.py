@@ -10,7 +10,10 @@ took it 2.8-4.7 s (``cProfile``: ``memmap.__getitem__`` and ``__array_finalize__
 ``tests/test_decoder_gguf.py`` checks that it agrees with ``gguf.GGUFReader`` field by field.
 
 The file is memory-mapped: tensors are dequantised straight from the page cache, and only the
-float32 results are allocated.
+float32 results are allocated. Every count, length, dimension and offset the file gives is
+checked against the file's size before it is used (as llama.cpp's ``gguf_init_from_file``
+does), so a truncated or corrupt file is one ValueError naming it, never ``struct.error`` or
+an allocation sized by garbage (``tests/test_model_files.py``).
 """
 
 from __future__ import annotations
