@@ -100,3 +100,17 @@ def test_a_padding_mask_of_int32_lengths_sees_an_in_place_edit():
     assert mask(*idx).sum() == 20
     lengths[0] = 3
     assert mask(*idx).sum() == 13
+
+
+def test_masks_made_under_inference_mode_take_the_full_path():
+    """Inference tensors have no version counter: such masks are never keyed on one."""
+    q, k, v = make_qkv(SMALL, gen=6)
+    with torch.inference_mode():
+        ids = torch.arange(48) // 16
+        lengths = torch.tensor([40, 48, 30, 20])
+        for mask in (qkv.document(ids), qkv.padding(lengths)):
+            for _ in range(2):
+                assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
+        ids[:20] = 5  # in place, inside inference mode
+        mask = qkv.document(ids)
+        assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))

@@ -54,9 +54,11 @@ def signature(
     reads it)."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None  # subclasses and non-tensors take the full path (and its errors)
+    if torch.compiler.is_compiling():
+        return None  # traced once: a kept runner saves nothing there (and versions are symbolic)
     if q.ndim != 4 or not (scale is None or type(scale) is float):
         return None
-    held: tuple[object, ...] = ()
+    held: tuple[object, ...] | None = ()
     if mask is not None:
         kind = type(mask)
         if kind is _Document:
@@ -64,6 +66,8 @@ def signature(
         elif kind is _KvBelow:
             held = _versions((mask.limit, mask.start))  # type: ignore[attr-defined]
         elif kind is not _Band:
+            return None
+        if held is None:
             return None
     grad = torch.is_grad_enabled()
     return (
@@ -74,8 +78,12 @@ def signature(
     )  # fmt: skip
 
 
-def _versions(values: tuple[object, ...]) -> tuple[object, ...]:
-    """Tensors as (identity, version counter); anything else (an int limit, None) as is."""
+def _versions(values: tuple[object, ...]) -> tuple[object, ...] | None:
+    """Tensors as (identity, version counter); anything else (an int limit, None) as is.
+    ``None`` when a tensor is an inference tensor: it has no version counter, so an in-place
+    edit could not be told apart (such a mask takes the full path every call)."""
+    if any(isinstance(t, Tensor) and t.is_inference() for t in values):
+        return None
     return tuple((id(t), t._version) if isinstance(t, Tensor) else t for t in values)
 
 

@@ -122,6 +122,9 @@ class _KvBelow(_BuiltinMask):
         self._by_device: dict[tuple[str, torch.device], tuple[int, Tensor]] = {}
 
     def _on(self, what: str, t: Tensor, device: torch.device) -> Tensor:
+        if torch.compiler.is_compiling() or t.is_inference():
+            # traced once (a version is symbolic there); inference tensors have no version
+            return t.to(device=device, dtype=torch.int64)
         got = self._by_device.get((what, device))
         if got is None or got[0] != t._version:
             got = (t._version, t.to(device=device, dtype=torch.int64))
@@ -195,6 +198,8 @@ class _Document(_BuiltinMask):
         self._by_device: dict[torch.device, tuple[int, Tensor]] = {}
 
     def _ids(self, device: torch.device) -> Tensor:
+        if torch.compiler.is_compiling() or self.ids.is_inference():  # (see _KvBelow._on)
+            return self.ids.to(device)
         got = self._by_device.get(device)
         if got is None or got[0] != self.ids._version:
             got = (self.ids._version, self.ids.to(device))
