@@ -64,13 +64,13 @@ def _too_big(b: Backend, route: Route) -> str | None:
     return None
 
 
-def _auto_skip(name: str, p: Problem) -> str | None:
+def _auto_skip(name: str, p: Problem, *, claims: bool = True) -> str | None:
     """The auto policy, as the backends state it: why ``auto`` passes over ``name`` for ``p``
     although it computes it exactly. A later backend in ``AUTO_ORDER`` that claims ``p`` (it is
     faster there) takes it from every earlier one that does not claim it too; otherwise the
     backend's own reasons (slow or imprecise there)."""
     b = BACKENDS[name]
-    if b.claims(p) is None:
+    if claims and b.claims(p) is None:
         for later in AUTO_ORDER[AUTO_ORDER.index(name) + 1 :]:
             other = BACKENDS[later]
             if other.rejects(p) is None and (why := other.claims(p)) is not None:
@@ -227,14 +227,18 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
             raise ValueError(f"backend {name!r} cannot compute this problem: {why}")
         others = {n: "not requested (backend was named explicitly)" for n in BACKENDS if n != name}
         return _plan(b, route, others, p)
-    for n in AUTO_ORDER:
-        b = BACKENDS[n]
-        why = b.rejects(p) or _auto_skip(n, p)
-        if why is None:
-            route, why = _route(b, p, dry_run)
+    # Claims are preferences: when the backend that claimed a problem cannot take it after all
+    # (over the dense limit, a failed build), a second pass ignores them.
+    for claims in (True, False):
+        rejected = {}
+        for n in AUTO_ORDER:
+            b = BACKENDS[n]
+            why = b.rejects(p) or _auto_skip(n, p, claims=claims)
             if why is None:
-                return _plan(b, route, rejected, p)
-        rejected[n] = why
+                route, why = _route(b, p, dry_run)
+                if why is None:
+                    return _plan(b, route, rejected, p)
+            rejected[n] = why
     lines = "; ".join(f"{n}: {w}" for n, w in rejected.items())
     raise ValueError(f"no backend can compute this problem within the limits ({lines})")
 

@@ -19,6 +19,18 @@ class ReferenceBackend(Backend):
     def rejects(self, p: Problem) -> str | None:
         return None
 
+    def claims(self, p: Problem) -> str | None:
+        # Under torch.compile the block-sparse engine breaks the graph (its tile planning
+        # reads tensor values; the band kernel is an opaque C++ op), while the plain formula
+        # traces into one graph that inductor fuses: auto takes it there, within the dense
+        # limit (the planner checks the route's memory; beyond it, blocksparse runs in pieces).
+        if torch.compiler.is_compiling():
+            return (
+                "under torch.compile the plain formula traces into one graph; blocksparse "
+                "would break it"
+            )
+        return None
+
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         # scores, exp(scores) and weights live at once (plus a dropout copy when asked), and
         # autograd keeps about as much again for the backward; a mask_mod is evaluated densely.

@@ -57,7 +57,14 @@ class SdpaBackend(Backend):
             return "torch < 2.5 SDPA gives NaN for fully masked rows"
         return None
 
+    def claims(self, p: Problem) -> str | None:
+        if torch.compiler.is_compiling():  # (planning is traced: this is decided at trace time)
+            return "torch.compile traces torch's SDPA into the graph"
+        return None
+
     def auto_skip(self, p: Problem) -> str | None:
+        if torch.compiler.is_compiling():
+            return None  # a dense mask traces; the engines that skip tiles break the graph
         masked = p.mask.kind not in ("none", "causal")
         if p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
             return (

@@ -1,0 +1,148 @@
+"""qkv.attention under torch.compile(fullgraph=True): every mask and score kind traces into one
+graph, forward and backward, and equals eager.
+
+While dynamo traces, ``auto`` takes SDPA where it can and the plain formula otherwise (the
+block-sparse engine's planning reads tensor values and its band kernel is an opaque C++ op:
+both break a graph), within the dense-memory limit; beyond it the call still runs, with graph
+breaks. The matrix uses ``backend="aot_eager"`` (it traces what inductor compiles, without
+code generation); one case runs inductor itself. ``benchmarks/compile_matrix.py`` reports the
+same cases with graph-break counts and compile times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+import qkv
+from catalogue import Shape, make_qkv
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-inductor-"))
+
+SHAPE = Shape(2, 4, 2, 40, 40, 16)
+
+
+def _cases() -> dict[str, dict]:
+    L = SHAPE.Lk
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.arange(L) * 3 // L
+    return {
+        "none": {},
+        "causal": {"mask": qkv.causal},
+        "window": {"mask": qkv.sliding_window(5)},
+        "prefix_lm": {"mask": qkv.prefix_lm(6)},
+        "document": {"mask": qkv.document(ids)},
+        "padding": {"mask": qkv.padding(torch.tensor([L - 5, 9]))},
+        "and": {"mask": qkv.and_masks(qkv.causal, qkv.document(ids))},
+        "or": {"mask": qkv.or_masks(qkv.sliding_window(3), qkv.prefix_lm(4))},
+        "bool": {"mask": torch.rand(L, L, generator=gen) > 0.3},
+        "blockmask": {"mask": qkv.block_mask(qkv.causal, 2, 4, L, L, block_size=16)},
+        "mask_mod": {"mask": lambda b, h, qi, ki: (qi - ki) % 3 == 0},
+        "bias": {"score_mod": torch.randn(1, 4, L, L, generator=gen)},
+        "alibi": {"mask": qkv.causal, "score_mod": qkv.alibi(qkv.alibi_slopes(4))},
+        "softcap": {"score_mod": qkv.softcap(20.0)},
+        "score_mod": {"score_mod": lambda s, b, h, qi, ki: s * 0.5 + h},
+        "lse": {"mask": qkv.sliding_window(4), "return_lse": True},
+        "gqa_lq_ne_lk": {"mask": qkv.causal, "return_lse": True},
+    }
+
+
+CASES = _cases()
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._logging.set_logs(dynamo=logging.ERROR)
+        yield
+    torch._logging.set_logs()
+    torch._dynamo.reset()
+
+
+def _fwd_bwd(fn, q, k, v, kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, **kw)
+    loss = out[0].sum() + out[1].sum() if isinstance(out, tuple) else out.sum()
+    return [loss.detach(), *torch.autograd.grad(loss, leaves)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fullgraph_traces_and_equals_eager(name: str):
+    q, k, v = make_qkv(SHAPE.replace(Lq=23) if name == "gqa_lq_ne_lk" else SHAPE, gen=1)
+    kw = CASES[name]
+    want = _fwd_bwd(qkv.attention, q, k, v, kw)
+    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    got = _fwd_bwd(f, q, k, v, kw)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_new_values_of_the_same_shapes_do_not_recompile():
+    q, k, v = make_qkv(SHAPE, gen=2)
+    counter = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(qkv.attention, fullgraph=True, backend=counter)
+    f(q, k, v, mask=qkv.document(torch.arange(40) // 20))
+    q2, k2, v2 = make_qkv(SHAPE, gen=3)
+    out = f(q2, k2, v2, mask=qkv.document(torch.arange(40) // 10))  # new ids, same shape
+    want = qkv.attention(q2, k2, v2, mask=qkv.document(torch.arange(40) // 10))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_beyond_the_dense_limit_it_still_runs():
+    """The plain formula is taken only within the dense limit; beyond it the block-sparse
+    engine runs (with graph breaks) rather than the call failing."""
+    q, k, v = make_qkv(SHAPE, gen=4)
+    old = qkv.set_dense_limit(1024)
+    try:
+        want = qkv.attention(q, k, v, mask=qkv.sliding_window(5))
+        got = torch.compile(qkv.attention, backend="aot_eager")(q, k, v, mask=qkv.sliding_window(5))
+    finally:
+        qkv.set_dense_limit(old)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_multi_head_attention_with_a_window_and_documents_compiles_fullgraph():
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, n_kv_heads=2, rope=True)
+    x = torch.randn(2, 30, 32)
+
+    def step(module, mask):
+        xl = x.detach().requires_grad_()
+        out = module(xl, mask=mask)
+        return [out.detach(), *torch.autograd.grad(out.sum(), [xl, *mha.parameters()])]
+
+    for mask in (qkv.sliding_window(6), qkv.document(torch.arange(30) // 10)):
+        want = step(mha, mask)
+        got = step(torch.compile(mha, fullgraph=True, backend="aot_eager"), mask)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_a_window_forward_and_backward():
+    q, k, v = make_qkv(SHAPE, gen=5)
+    kw = {"mask": qkv.sliding_window(5)}
+    want = _fwd_bwd(qkv.attention, q, k, v, kw)
+    got = _fwd_bwd(torch.compile(qkv.attention, fullgraph=True), q, k, v, kw)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_new_sequence_length_recompiles_at_most_once():
+    counter = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(qkv.attention, fullgraph=True, backend=counter)
+    for L in (40, 48, 56, 72):
+        q, k, v = make_qkv(SHAPE.replace(Lq=L, Lk=L), gen=L)
+        out = f(q, k, v, mask=qkv.sliding_window(5))
+        torch.testing.assert_close(out, qkv.attention(q, k, v, mask=qkv.sliding_window(5)))
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles for 4 lengths"
