@@ -10,9 +10,14 @@ without code generation) and reports:
 - ``breaks``: graph breaks under the default compile (``torch._dynamo.explain``);
 - ``compile s``: the wall time of the first fullgraph (or default) call.
 
+With ``--inductor-window N`` it also compiles a sliding window's forward + backward at length
+N with inductor (the default compile: graph breaks allowed) and reports the first compile's
+time and the compiled / eager time ratio (medians of interleaved rounds).
+
 Not a test (it measures where qkv stands; the compile tests assert what must hold). Run::
 
     .venv/bin/python benchmarks/compile_matrix.py [--lengths 200 1100] [--only window]
+        [--inductor-window 2048]
 """
 
 from __future__ import annotations
@@ -105,10 +110,40 @@ def _breaks(q, k, v, kw) -> str:
     return str(ex.graph_break_count)
 
 
+def _inductor_window(n: int, rounds: int = 5) -> None:
+    import statistics
+
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(B, H, n, D, generator=gen)
+    k = torch.randn(B, HKV, n, D, generator=gen)
+    v = torch.randn(B, HKV, n, D, generator=gen)
+    kw = {"mask": qkv.sliding_window(256)}
+    torch._dynamo.reset()
+    f = torch.compile(qkv.attention)  # the default compile: graph breaks allowed
+    t0 = time.perf_counter()
+    _run(f, q, k, v, kw)
+    first = time.perf_counter() - t0
+    ratios = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        _run(f, q, k, v, kw)
+        tc = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _run(qkv.attention, q, k, v, kw)
+        te = time.perf_counter() - t0
+        ratios.append(tc / te)
+    print(
+        f"\ninductor (default compile), sliding_window(256), n={n}, fwd+bwd: first compile "
+        f"{first:.1f} s; "
+        f"compiled / eager time {statistics.median(ratios):.2f} (median of {rounds})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[200, 1100])
     ap.add_argument("--only", nargs="*", default=None, help="case names to run")
+    ap.add_argument("--inductor-window", type=int, default=0, help="also time inductor at N")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")  # dynamo's advice per graph break: the table says it
     torch._logging.set_logs(dynamo=logging.ERROR)
@@ -131,6 +166,8 @@ def main() -> None:
             traced += status == "ok"
             print(f"  {name:<10} {status:<80} {_breaks(q, k, v, kw):>6} {dt:>9.1f}")
         print(f"  fullgraph traced and equal to eager: {traced} of {len(cases)}")
+    if args.inductor_window:
+        _inductor_window(args.inductor_window)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """qkv.attention under torch.compile(fullgraph=True): every mask and score kind traces into one
-graph, forward and backward, and equals eager.
+graph, forward and backward, and equals eager, for calls of up to 2^20 scores.
 
-While dynamo traces, ``auto`` takes SDPA where it can and the plain formula otherwise (the
-block-sparse engine's planning reads tensor values and its band kernel is an opaque C++ op:
-both break a graph), within the dense-memory limit; beyond it the call still runs, with graph
-breaks. The matrix uses ``backend="aot_eager"`` (it traces what inductor compiles, without
-code generation); one case runs inductor itself. ``benchmarks/compile_matrix.py`` reports the
-same cases with graph-break counts and compile times.
+While dynamo traces, ``auto`` takes SDPA where it can and, for small calls, the plain formula
+(the block-sparse engine's planning reads tensor values and its band kernel is an opaque C++
+op: both break a graph). Larger masked calls run on the block-sparse engine with graph
+breaks, at eager's speed. The matrix uses ``backend="aot_eager"`` (it traces what inductor
+compiles, without code generation); one case runs inductor itself.
+``benchmarks/compile_matrix.py`` reports graph breaks and compile times per case.
 """
 
 from __future__ import annotations

@@ -106,6 +106,12 @@ def unit_last_stride(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
+# Up to this many scores (B*Hq*Lq*Lk) a dense computation beats planning tiles: auto gives a
+# masked problem to SDPA with a dense mask (measured, benchmarks/RESULTS.md: H=8, window 64,
+# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
+# n = 512 and more beyond), and under torch.compile to the plain formula, which traces.
+SMALL_DENSE = 1 << 20
+
 # Beyond this |logit| a backward that recomputes the scores and exponentiates them against a
 # float32 lse (torch's fused SDPA backward, the Triton kernels') loses whole digits: at
 # logits of ~1e4 its gradients were up to 1e5x plain float32 autograd's error (

@@ -6,7 +6,7 @@ import torch
 
 from .. import reference
 from .._problem import Problem
-from .base import Backend, Route, score_bytes
+from .base import SMALL_DENSE, Backend, Route, score_bytes
 
 Tensor = torch.Tensor
 
@@ -22,9 +22,11 @@ class ReferenceBackend(Backend):
     def claims(self, p: Problem) -> str | None:
         # Under torch.compile the block-sparse engine breaks the graph (its tile planning
         # reads tensor values; the band kernel is an opaque C++ op), while the plain formula
-        # traces into one graph that inductor fuses: auto takes it there, within the dense
-        # limit (the planner checks the route's memory; beyond it, blocksparse runs in pieces).
-        if torch.compiler.is_compiling():
+        # traces into one graph. It does all Lq*Lk work, though: 2-7x eager's time for a
+        # window at n = 256-2048 (benchmarks/compile_matrix.py), so auto takes it only for
+        # problems small enough that eager computes them densely too; larger ones run on
+        # blocksparse with graph breaks, at eager's speed.
+        if torch.compiler.is_compiling() and p.B * p.Hq * p.Lq * p.Lk <= SMALL_DENSE:
             return (
                 "under torch.compile the plain formula traces into one graph; blocksparse "
                 "would break it"

@@ -16,6 +16,7 @@ from .._dense import dense_mask
 from .._problem import Problem
 from .base import (
     HUGE_LOGIT,
+    SMALL_DENSE,
     Backend,
     Kernel,
     Route,
@@ -34,11 +35,6 @@ _NATIVE_GQA = _VERSION >= (2, 5)
 _SAFE_MASKED_ROWS = _VERSION >= (2, 5)
 
 
-# Below this many scores (B*Hq*Lq*Lk) auto gives a masked problem to SDPA with a dense mask:
-# its one fused call beats planning tiles (measured, benchmarks/RESULTS.md: H=8, window 64,
-# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
-# n = 512 and more beyond).
-_SMALL_DENSE = 1 << 20
 
 
 class SdpaBackend(Backend):
@@ -63,15 +59,13 @@ class SdpaBackend(Backend):
         return None
 
     def auto_skip(self, p: Problem) -> str | None:
-        if torch.compiler.is_compiling():
-            return None  # a dense mask traces; the engines that skip tiles break the graph
         masked = p.mask.kind not in ("none", "causal")
-        if p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
+        if p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE:
             return (
                 "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
                 "use the plan (a masked problem this size would run on a dense [Lq, Lk] mask)"
             )
-        if masked and p.B * p.Hq * p.Lq * p.Lk > _SMALL_DENSE:
+        if masked and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE:
             return (
                 "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
                 "blocksparse skips the hidden blocks"
