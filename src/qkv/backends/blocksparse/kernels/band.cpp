@@ -98,6 +98,14 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
     lo = qkv_cpu::nan_min(lo, x[i]);
   }
   const float mx = (scale >= 0.f ? hi : lo) * scale;
+  if (std::isnan(mx) || mx == -neg_inf) {
+    // A NaN score (a NaN query or key), or +inf (inf - inf in the softmax), makes the row NaN,
+    // as in the formula. Said explicitly: exp_u20 clamps its input with min/max, which turn
+    // NaN into a finite number on some ISAs (AVX-512).
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill(x, x + len, nan);
+    return {nan, nan};
+  }
   if (mx == neg_inf) {  // -inf scores (from infinite inputs): no weight anywhere
     std::fill(x, x + len, 0.f);
     return {neg_inf, 0.f};
@@ -317,6 +325,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
               std::fill(dr, dr + a, 0.f);
               std::fill(pr + e, pr + n, 0.f);
               std::fill(dr + e, dr + n, 0.f);
+              if (std::isnan(lh) || std::isnan(dsum)) {  // a NaN row: NaN gradients (not
+                const float nan = std::numeric_limits<float>::quiet_NaN();  // exp_u20's)
+                std::fill(pr + a, pr + e, nan);
+                std::fill(dr + a, dr + e, nan);
+                continue;
+              }
               const Vec vscale(scale), vlh(lh), vll(ll), vd(dsum);
               int64_t i = a;
               for (; i + Vec::size() <= e; i += Vec::size()) {

@@ -110,14 +110,24 @@ void partial(const float* q, int64_t R, int64_t D, const float* k, int64_t ks, c
     const int64_t t1 = std::min(j1, t0 + TILE);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t a = std::max(t0, ra[r]), n = std::min(t1, re[r]) - a;
-      if (n <= 0) continue;
+      if (n <= 0 || std::isnan(m[r])) continue;  // (a NaN row stays NaN: nothing to add)
       const float* qr = q + r * D;
       float hi = NEG_INF;
+      bool nan = false;
       for (int64_t j = 0; j < n; ++j) {
         s[j] = dot(qr, k + (a + j) * ks, D) * scale;
-        hi = qkv_cpu::nan_max(hi, s[j]);  // a NaN score makes the row NaN, not empty
+        hi = std::max(hi, s[j]);
+        nan |= std::isnan(s[j]);
       }
-      const float mnew = qkv_cpu::nan_max(m[r], hi);
+      if (nan || hi == -NEG_INF) {
+        // A NaN score (a NaN query or key), or a +inf one (inf - inf in the softmax), makes
+        // the row NaN, as in the formula. Said explicitly: exp_u20 clamps its input with
+        // min/max, which turn NaN into a finite number on some ISAs (AVX-512).
+        m[r] = l[r] = std::numeric_limits<float>::quiet_NaN();
+        std::fill(acc + r * Dv, acc + (r + 1) * Dv, m[r]);
+        continue;
+      }
+      const float mnew = std::max(m[r], hi);
       if (mnew == NEG_INF) continue;  // -inf scores (infinite inputs): no weight anywhere
       const Vec vm(mnew);
       Vec vsum(0.f);
