@@ -15,7 +15,7 @@ same way. Backends give runners where their route can be bound once: SDPA, the d
 and the block-sparse engine's compiled band kernel without gradients (its other routes and
 Triton's hold per-call jobs). Measured on a GQA decode step (benchmarks/RESULTS.md): validate
 + decide cost ~15 us a call, the lookup ~2 us; on a small masked call (B=4 H=4 L=48 D=32) the
-full path cost 2.3x SDPA given the dense mask, a kept runner 1.0-1.1x.
+full path cost 2.2x SDPA given the dense mask, a kept runner 1.1x.
 """
 
 from __future__ import annotations
