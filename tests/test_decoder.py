@@ -1,4 +1,4 @@
-"""SmolLM2-135M on qkv against transformers' eager Llama reading the same GGUF file (issue 11):
+"""SmolLM2-135M on qkv against transformers' eager Llama reading the same GGUF file:
 token ids, logits, greedy generation and attention maps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``qkv explain --model smollm2`` and ``qkv generate`` (issue 11), through the console script."""
+"""``qkv explain --model smollm2`` and ``qkv generate``, through the console script."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_generate_chat_sampling_is_seeded() -> None:
         (("--model", "gpt5"), "unknown model name 'gpt5'; known names: 'all-minilm-l6-v2'"),
         (("--model", "all-minilm-l6-v2"), "is an encoder (TextEncoder), which does not generate"),
         (("--max-new-tokens", "-2"), "must be at least 1 (how many tokens to generate), got -2"),
-        # issue 19 item 8: 0 ran nothing and printed "0.0 tokens/s" twice
+        # 0 ran nothing and printed "0.0 tokens/s" twice
         (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1 (how many tokens"),
     ],
 )
@@ -109,7 +109,7 @@ def test_generate_errors_are_one_line(args: tuple[str, ...], message: str) -> No
 
 
 def test_speed_line_gives_only_measured_rates() -> None:
-    """Issue 19 item 8: no "0.0 tokens/s" for a rate that was never measured."""
+    """No "0.0 tokens/s" for a rate that was never measured."""
     from qkv.models import GenerationStats
 
     s = GenerationStats()

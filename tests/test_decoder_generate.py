@@ -1,4 +1,4 @@
-"""Generation on qkv's SmolLM2 (issue 11): the KV-cache path against full recomputation,
+"""Generation on qkv's SmolLM2: the KV-cache path against full recomputation,
 streaming, batches, sampling options, stop strings, attention maps and the errors."""
 
 from __future__ import annotations

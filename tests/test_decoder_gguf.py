@@ -1,4 +1,4 @@
-"""qkv's GGUF reading (issue 11): the header parser against ``gguf.GGUFReader``, every
+"""qkv's GGUF reading: the header parser against ``gguf.GGUFReader``, every
 supported block type against ``gguf.quants``, the refusals, and the Q/K row order."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""qkv.distributed (issue 12): exact attention over a sequence split across processes.
+"""qkv.distributed: exact attention over a sequence split across processes.
 
 The plan and the layouts are tested in this process; ``qd.attention`` runs in spawned worlds
 of 2, 3 and 4 ranks (gloo on 127.0.0.1, one thread each), each world started once and

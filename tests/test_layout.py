@@ -14,6 +14,7 @@ Run ``python tests/test_layout.py`` for the graph's summary.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkv"
@@ -243,3 +244,27 @@ def test_the_planner_knows_no_backend_by_name() -> None:
     names = {"sdpa", "decode", "triton", "blocksparse", "reference"}
     literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
     assert not (literals & names), f"planner.py names backends: {literals & names}"
+
+
+# A comment or docstring that sends the reader to a file the repository does not have, or to
+# an issue tracker entry, instead of saying the reason where the code is.
+DANGLING = re.compile(r"\b(STYLE|DESIGN)\.md\b|\b[Ii]ssues? #?\d+|\(issue\b|\bitems? \d+\b")
+
+
+def test_no_comment_points_outside_the_repository() -> None:
+    root = SRC.parents[1]
+    found = []
+    for folder in ("src", "tests", "benchmarks", "docs"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix not in {".py", ".md", ".cpp", ".h", ".txt", ".yml"}:
+                continue
+            if path.name == "RESULTS.md" or path == Path(__file__).resolve():
+                continue  # a dated log of measurements; and this test's own pattern
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if DANGLING.search(line):
+                    found.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
+    for name in ("Makefile", "README.md", "pyproject.toml"):
+        for i, line in enumerate((root / name).read_text().splitlines(), 1):
+            if DANGLING.search(line):
+                found.append(f"{name}:{i}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -1,4 +1,4 @@
-"""Corrupt and nonsensical model files (issue 19, item 5): never a raw internal error.
+"""Corrupt and nonsensical model files: never a raw internal error.
 
 Every damaged file (a GGUF cut inside its header, a count or a dimension overwritten, a token
 id out of range, a truncated ``model.safetensors``, a ``tokenizer.json`` that is not one) and
@@ -517,7 +517,7 @@ def test_cli_bert_folder_with_a_bad_tokenizer(
 def test_cli_generate_one_token_prints_no_unmeasured_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 19 item 8: one new token comes with the prompt, so there is no decode rate; the
+    """One new token comes with the prompt, so there is no decode rate; the
     line said "decode 1 tokens at 0.0 tokens/s"."""
     path = tiny_gguf(tmp_path / "tiny.gguf")
     assert cli.main(["generate", "ab ab", "--model", str(path), "--max-new-tokens", "1"]) == 0

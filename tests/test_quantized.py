@@ -1,4 +1,4 @@
-"""qkv's compiled kernel for GGUF blocks (``src/qkv/models/kernels/quant.cpp``, issue 11)
+"""qkv's compiled kernel for GGUF blocks (``src/qkv/models/kernels/quant.cpp``)
 against the oracle: float32 ``F.linear`` on the weights ``gguf.quants.dequantize`` makes, both
 measured against the same product in float64; the blocks' dequantisation bit for bit; the
 module's choice of path; and the decoder's fallback when the kernel cannot be built.

@@ -35,8 +35,6 @@ _NATIVE_GQA = _VERSION >= (2, 5)
 _SAFE_MASKED_ROWS = _VERSION >= (2, 5)
 
 
-
-
 class SdpaBackend(Backend):
     name = "sdpa"
 

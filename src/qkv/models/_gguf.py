@@ -6,7 +6,7 @@ package (``gguf.constants``) and every block format is dequantised by it
 (``gguf.quants.dequantize``). The header is parsed here rather than with ``gguf.GGUFReader``:
 that reader makes one numpy view per string, and a 49152-token vocabulary plus 48900 merges
 took it 2.8-4.7 s (``cProfile``: ``memmap.__getitem__`` and ``__array_finalize__``) of a
-3 s load budget (issue 11); this parser reads the same fields in ~0.1 s and
+3 s load budget; this parser reads the same fields in ~0.1 s and
 ``tests/test_decoder_gguf.py`` checks that it agrees with ``gguf.GGUFReader`` field by field.
 
 The file is memory-mapped: tensors are dequantised straight from the page cache, and only the
@@ -33,7 +33,7 @@ Tensor = torch.Tensor
 
 __all__ = ["SUPPORTED_TYPES", "GGUFFile", "GGUFTensorInfo", "read_gguf"]
 
-# Block formats qkv dequantises (issue 11). Others (K-quants, IQ*) are refused by name.
+# Block formats qkv dequantises. Others (K-quants, IQ*) are refused by name.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 # GGUF value type codes (gguf.constants.GGUFValueType) -> struct format of one scalar.

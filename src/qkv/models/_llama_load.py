@@ -88,7 +88,7 @@ def _json_object(file: Path) -> dict[str, Any]:
 
 def _gguf_linear_path(model: TextDecoder, g: GGUFFile, dtype: torch.dtype) -> LinearPath:
     """Keep the file's quantised blocks beside the float32 weights and give the few-row
-    products (decoding) to the compiled kernel, when it can run (issue 11)."""
+    products (decoding) to the compiled kernel, when it can run."""
     from . import quantized
     from ._llama_weights import gguf_blocks
 

@@ -1,7 +1,7 @@
 """Linear layers on GGUF's quantised blocks: ``x @ W.T`` computed from the file's Q4_0, Q4_1
 or Q8_0 blocks by qkv's compiled kernel (``kernels/quant.cpp``) for inputs of a few rows.
 
-Why (issue 11, benchmarks/RESULTS.md): a decode step is one matrix-vector product per weight
+Why (benchmarks/RESULTS.md): a decode step is one matrix-vector product per weight
 matrix, bound by reading the weights: SmolLM2-135M's are 538 MB a token as float32 and 96 MB
 as the file's blocks. The kernel decodes each block of 32 weights exactly as
 ``gguf.quants.dequantize`` does and multiplies it into float32 accumulators, so its result is
@@ -35,8 +35,8 @@ BLOCK = 32  # weights per block (the format's)
 
 # Inputs of up to this many rows take the kernel; more rows take F.linear on the float32
 # weights (a GEMM reuses each weight for every row, where the kernel reads the blocks once
-# per 4 rows). SmolLM2's forward over the KV cache on a 2-core AVX-512 VM, kernel vs float32
-# (issue 11): 1 row 16 vs 52 ms, 8 rows 34 vs 71, 16 rows 56 vs 84, 32 rows 98-100 vs 115;
+# per 4 rows). SmolLM2's forward over the KV cache on a 2-core AVX-512 VM, kernel vs float32:
+# 1 row 16 vs 52 ms, 8 rows 34 vs 71, 16 rows 56 vs 84, 32 rows 98-100 vs 115;
 # the float32 GEMM wins beyond ~40 rows, and a 1024-token prefill is at parity with the peer
 # only on float32 weights (dequantising the blocks on the fly: 1.76-1.82 s vs 1.71-1.72 s).
 MAX_ROWS = 32

@@ -5,7 +5,7 @@
 // Built on first use by qkv/models/quantized.py (qkv.native.NativeLibrary) and registered as
 // torch.ops.qkv_quant.linear and torch.ops.qkv_quant.dequantize.
 //
-// Why it exists (issue 11, benchmarks/RESULTS.md): one decode step of SmolLM2-135M streams
+// Why it exists (benchmarks/RESULTS.md): one decode step of SmolLM2-135M streams
 // all its weights; as float32 they are 538 MB a token, as the file's blocks 96 MB (Q4_1: 20
 // bytes per 32 weights, Q8_0: 34).
 //
