@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._cache_state import StepGuard
 from ._kinds import band
 from ._positions import _RingPositions, band_covers, mask_at, score_at
 from ._problem import mask_kind
@@ -27,8 +28,9 @@ Tensor = torch.Tensor
 __all__ = ["KVCache", "SlidingWindowCache"]
 
 
-class _Cache:
-    """What both caches share: the length, the owner layer, the buffers and their spec."""
+class _Cache(StepGuard):
+    """What both caches share: the length, the owner layer, the buffers and their spec, and
+    the guard that lets one step at a time in."""
 
     _capacity: int
 
@@ -36,7 +38,8 @@ class _Cache:
         self._length = 0
         self._k: Tensor | None = None  # [B, Hkv, capacity, D]
         self._v: Tensor | None = None  # [B, Hkv, capacity, Dv]
-        self._owner: weakref.ref[Any] | None = None
+        self._owner: weakref.ref[Any] | None = None  # the owner layer's LayerKey
+        self._init_guard()
 
     @property
     def length(self) -> int:
@@ -45,10 +48,13 @@ class _Cache:
 
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept and reused)."""
-        self._length = 0
-        self._owner = None
-        if self._k is not None and self._v is not None:  # let go of any autograd graph
-            self._k, self._v = self._k.detach(), self._v.detach()
+        with self._claimed("be reset"):
+            self._length = 0
+            self._owner = None
+            if self._k is not None and self._v is not None:  # let go of any autograd graph
+                self._k, self._v = self._k.detach(), self._v.detach()
+
+    # ------------------------------------------------------------------------ the step
 
     def _check_step(
         self,
@@ -63,41 +69,49 @@ class _Cache:
         mask: object,
         score_mod: object,
     ) -> None:
-        """Refuse a step of ``layer`` (the attention module calling, which will append keys
-        ``[B, Hkv, Lq, D]`` of ``dtype`` on ``device``) before anything is computed; allocate
-        the buffers on first use. The cache knows its layer only by identity: it reads no
-        attribute of it, so this module does not depend on the module layer above it."""
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner is not layer:
-            raise ValueError(
-                f"this {type(self).__name__} already holds {self.length} tokens of another "
-                f"attention layer; a cache belongs to one layer: make one per layer, or "
-                f"reset() it first"
-            )
-        spec = (B, Hkv, self._capacity, D)
-        k = self._k
-        if k is not None and k.shape == spec and (k.dtype, k.device) == (dtype, device):
-            if k.is_inference() and not torch.is_inference_mode_enabled():
-                if self.length > 0:
-                    raise RuntimeError(
-                        f"this {type(self).__name__} was filled under torch.inference_mode(), "
-                        f"so its buffers can only be written there; keep decoding inside "
-                        f"inference_mode (or reset() the cache to start over outside it)"
-                    )
-                k = None  # reallocate outside inference mode
-        elif k is not None and self.length > 0:
-            raise ValueError(
-                f"this {type(self).__name__} holds {self.length} tokens of batch size "
-                f"{k.shape[0]}, {k.dtype}, on {k.device}; the new input has batch size {B}, "
-                f"{dtype}, on {device}: reset() the cache to start a new sequence"
-            )
-        else:
-            k = None
-        if k is None:  # the one allocation, to the full capacity
-            self._k = torch.zeros(spec, dtype=dtype, device=device)
-            self._v = torch.zeros(spec, dtype=dtype, device=device)
-        self._check_room(Lq)
-        self._owner = weakref.ref(layer)
+        """Let in a step of ``layer`` (the ``LayerKey`` of the attention module calling,
+        which will append keys ``[B, Hkv, Lq, D]`` of ``dtype`` on ``device``), or refuse it
+        before anything is computed; allocate the buffers on first use. Once this returns,
+        the caller owns the cache until it calls :meth:`_end_step` (in a ``finally``). The
+        cache knows its layer only by identity: it reads no attribute of it, so this module
+        does not depend on the module layer above it."""
+        self._enter("take another step")
+        try:
+            owner = self._owner() if self._owner is not None else None
+            if owner is not None and owner is not layer:
+                raise ValueError(
+                    f"this {type(self).__name__} already holds {self.length} tokens of another "
+                    f"attention layer; a cache belongs to one layer: make one per layer, or "
+                    f"reset() it first"
+                )
+            spec = (B, Hkv, self._capacity, D)
+            k = self._k
+            if k is not None and k.shape == spec and (k.dtype, k.device) == (dtype, device):
+                if k.is_inference() and not torch.is_inference_mode_enabled():
+                    if self.length > 0:
+                        raise RuntimeError(
+                            f"this {type(self).__name__} was filled under torch.inference_mode(), "
+                            f"so its buffers can only be written there; keep decoding inside "
+                            f"inference_mode (or reset() the cache to start over outside it)"
+                        )
+                    k = None  # reallocate outside inference mode
+            elif k is not None and self.length > 0:
+                raise ValueError(
+                    f"this {type(self).__name__} holds {self.length} tokens of batch size "
+                    f"{k.shape[0]}, {k.dtype}, on {k.device}; the new input has batch size {B}, "
+                    f"{dtype}, on {device}: reset() the cache to start a new sequence"
+                )
+            else:
+                k = None
+            if k is None:  # the one allocation, to the full capacity
+                self._k = torch.zeros(spec, dtype=dtype, device=device)
+                self._v = torch.zeros(spec, dtype=dtype, device=device)
+            self._check_room(Lq)
+            if owner is None:  # unowned (new, reset, loaded alone, or its layer is gone): adopt
+                self._owner = weakref.ref(layer)
+        except BaseException:
+            self._busy.release()
+            raise
 
     def _check_room(self, Lq: int) -> None:
         pass
@@ -177,11 +191,13 @@ class KVCache(_Cache):
         to decode several continuations of one cached prompt). Nothing is copied."""
         if isinstance(length, bool) or not isinstance(length, int):
             raise TypeError(f"truncate length must be an int, got {type(length).__name__}")
-        if not 0 <= length <= self.length:
-            raise ValueError(
-                f"truncate length must be in [0, {self.length}] (the cached tokens), got {length}"
-            )
-        self._length = length
+        with self._claimed("be truncated"):
+            if not 0 <= length <= self.length:
+                raise ValueError(
+                    f"truncate length must be in [0, {self.length}] (the cached tokens), got "
+                    f"{length}"
+                )
+            self._length = length
 
     def _check_room(self, Lq: int) -> None:
         if self.length + Lq > self.max_len:
@@ -258,6 +274,11 @@ class SlidingWindowCache(_Cache):
     def _check_step(self, layer: object, *, mask: object, score_mod: object, **step: Any) -> None:
         self._check_no_tensors(mask, score_mod)
         super()._check_step(layer, mask=mask, score_mod=score_mod, **step)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_pending"] = None  # what a failed step left over (a step in progress is refused)
+        return state
 
     @staticmethod
     def _check_no_tensors(mask: object, score_mod: object) -> None:

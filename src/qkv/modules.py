@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _recording, _torch_mha, inspect
+from ._cache_state import LayerKey
 from .cache import KVCache, SlidingWindowCache
 from .functional import attention
 from .rope import RotaryEmbedding
@@ -147,6 +148,12 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         # Qwen3/OLMo-2 style: one learnable scale over the head dim, shared by the heads.
         self.q_norm = nn.RMSNorm(head_dim, eps=1e-6, **fk) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=1e-6, **fk) if qk_norm else None
+        # This layer in its KV caches (a cache saved or copied with it keeps the copy).
+        self._cache_key = LayerKey()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # saved before layers had keys?
+        super().__setstate__(state)
+        self.__dict__.setdefault("_cache_key", LayerKey())
 
     def extra_repr(self) -> str:
         s = f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
@@ -271,7 +278,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         B, Lq, _ = xq.shape
         Lk = xk.shape[1]
         cp = None
-        if context_parallel is not None:  # issue 12; imported here so `import qkv` stays light
+        if context_parallel is not None:  # imported here so `import qkv` stays light
             from .distributed.module import bind
 
             cp = bind(context_parallel, self, xq, x_kv=x_kv, cache=cache, need_weights=need_weights)
@@ -284,8 +291,9 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
                     "same x_kv every step"
                 )
             w = self.k_proj.weight
+            # The cache is this step's alone until _end_step below (others are refused).
             cache._check_step(
-                self,
+                self._cache_key,
                 B=B,
                 Hkv=Hkv,
                 D=D,
@@ -296,33 +304,37 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
                 score_mod=score_mod,
             )
 
-        q = self.q_proj(xq).view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
-        k = self.k_proj(xk).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
-        v = self.v_proj(xv).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        pos = cache.length if cache is not None else 0
-        if self.rope is not None:
-            at: dict[str, Any] = {"offset": pos} if cp is None else {"positions": cp.positions}
-            q, k = self.rope(q, **at), self.rope(k, **at)
-        if cache is not None:
-            k, v, mask, score_mod = cache._extend(k, v, mask, score_mod, ordered=need_weights)
+        try:
+            q = self.q_proj(xq).view(B, Lq, H, D).transpose(1, 2)  # [B, H, Lq, D]
+            k = self.k_proj(xk).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
+            v = self.v_proj(xv).view(B, Lk, Hkv, D).transpose(1, 2)  # [B, Hkv, Lk, D]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            pos = cache.length if cache is not None else 0
+            if self.rope is not None:
+                at: dict[str, Any] = {"offset": pos} if cp is None else {"positions": cp.positions}
+                q, k = self.rope(q, **at), self.rope(k, **at)
+            if cache is not None:
+                k, v, mask, score_mod = cache._extend(k, v, mask, score_mod, ordered=need_weights)
 
-        p_drop = self.dropout if self.training else 0.0
-        weights: Tensor | None = None
-        res = (attention if cp is None else cp.attention)(
-            q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop, return_lse=need_weights
-        )
-        if need_weights:
-            o, lse = res  # [B, H, Lq, D], [B, H, Lq]
-            # The rows are renormalised (exp(s - lse) / its sum), so lse cancels out of the
-            # weights and their gradient: it is only the stabiliser, and needs no gradient.
-            weights = inspect.weights(q, k, lse=lse.detach(), mask=mask, score_mod=score_mod)
-        else:
-            assert isinstance(res, Tensor)
-            o = res
-        if cache is not None:
-            cache._advance(Lq)
+            p_drop = self.dropout if self.training else 0.0
+            weights: Tensor | None = None
+            res = (attention if cp is None else cp.attention)(
+                q, k, v, mask=mask, score_mod=score_mod, dropout_p=p_drop, return_lse=need_weights
+            )
+            if need_weights:
+                o, lse = res  # [B, H, Lq, D], [B, H, Lq]
+                # The rows are renormalised (exp(s - lse) / its sum), so lse cancels out of the
+                # weights and their gradient: it is only the stabiliser, and needs no gradient.
+                weights = inspect.weights(q, k, lse=lse.detach(), mask=mask, score_mod=score_mod)
+            else:
+                assert isinstance(res, Tensor)
+                o = res
+            if cache is not None:
+                cache._advance(Lq)
+        finally:
+            if cache is not None:
+                cache._end_step()  # a step that raised frees the cache as well
 
         o = o.transpose(1, 2).reshape(B, Lq, H * D)  # [B, Lq, H*D]
         out = self.out_proj(o)  # [B, Lq, d_model]

@@ -1,5 +1,5 @@
 """``qd.attention``, ``qd.plan``, ``qd.shard``, ``qd.unshard``: the public functions, and the
-``torch.autograd.Function`` between them and the per-rank work (STYLE.md rule 7)."""
+``torch.autograd.Function`` between them and the per-rank work."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from torch.autograd.function import once_differentiable
 
 from .._kinds import describe
 from .._problem import Problem, validate
+from ..backends.base import unit_last_stride
 from ..backends.blocksparse.autograd import captured
 from . import backward as _backward
-from . import checks, compute
+from . import checks, compute, content
 from . import plan as _plan
 from .layout import Layout, check_layout
 
@@ -91,7 +92,7 @@ def attention(
         group: a ``torch.distributed`` process group (None: the default group).
         layout: ``"zigzag"`` (rank r holds chunks r and 2W-1-r: balanced causal work) or
             ``"contiguous"``; see :class:`qkv.distributed.Layout`.
-        return_lse: also return ``lse [B, Hq, L_local]`` (float32).
+        return_lse: also return ``lse [B, Hq, L_local]`` (float32; float64 for float64 inputs).
 
     Only the key/value rows some of this rank's queries see are received (and only the rows
     other ranks need are sent), by ``isend``/``irecv`` overlapped with computing the chunks
@@ -109,6 +110,8 @@ def attention(
     # A mistake on one rank is raised on every rank, after the all_gather in agree(): raising
     # here alone would leave the others waiting there until the group's timeout.
     local_error: Exception | None = None
+    held: list[tuple[str, int]] = []
+    users: list[str] = []
     try:
         check_layout(layout)
         if not isinstance(return_lse, bool):
@@ -116,6 +119,14 @@ def attention(
         checks.check_local(rank, q, k, v)
     except (TypeError, ValueError) as e:
         local_error = e
+    try:
+        # What the mask and score hold (ids, lengths, tensors), compared in the same gather
+        # as their names: equal names with other contents would plan different traffic.
+        items, users = content.collect(mask, score_mod)
+        sums = content.checksums(items, q.device.type if isinstance(q, Tensor) else "cpu")
+        held = [(what, c) for (what, _, _), c in zip(items, sums, strict=True)]
+    except Exception as e:  # raised after the gather, with the others (checks.agree)
+        local_error = local_error or e
     # Agree first (one all_gather), then classify once against the real length L.
     params = _learnable(score_mod)
     needs_grad = local_error is None and (
@@ -134,9 +145,14 @@ def attention(
         scale=scale,
         n_params=len(params),
         needs_grad=needs_grad,
+        content=held,
+        probes=len(users),
         local_error=local_error,
     )
-    p = _global_problem(q, k, v, lay.L, mask, score_mod, scale)
+    if not users:
+        p = _global_problem(q, k, v, lay.L, mask, score_mod, scale)
+    else:
+        p = _probed_problem(group, rank, W, q, k, v, lay.L, mask, score_mod, scale, users)
     wd = compute.work_dtype(q.dtype)
     pl = _plan.build(
         p.mask,
@@ -151,8 +167,44 @@ def attention(
         device=q.device,
     )
     spec = compute.Spec(group, rank, lay, pl, p.mask, p.score, p.scale, len(params))
+    # Every partial call reads slices of q, k, v; torch's fused kernels read a last dim with
+    # stride != 1 (x.mT, x[..., ::2]) as if it were 1, so such shards are copied once here
+    # (differentiably: the gradient reaches the caller's view) rather than per pair.
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
     out, lse = _ContextParallel.apply(spec, q, k, v, *params)
     return (out, lse) if return_lse else out
+
+
+def _probed_problem(
+    group: Any,
+    rank: int,
+    W: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    L: int,
+    mask: object,
+    score_mod: object,
+    scale: object,
+    users: list[str],
+) -> Problem:
+    """The global problem of a call with a user mask_mod or score_mod, whose results are
+    compared across ranks on a grid of global positions (one more small all_gather): what
+    a mod computes from captured numbers no checksum of tensors sees. Any error building or
+    probing the problem here (a user mod may raise anything) is raised on every rank."""
+    error: Exception | None = None
+    p, probes = None, (0, 0)
+    try:
+        p = _global_problem(q, k, v, L, mask, score_mod, scale)
+        probes = content.probe(p)
+    except Exception as e:  # re-raised below, on this rank, as it was
+        error = e
+    where = f"probed at q_idx and kv_idx in {content.positions(L)}"
+    checks.agree_probes(
+        group, rank, W, q.device, probes, users=users, where=where, local_error=error
+    )
+    assert p is not None
+    return p
 
 
 def _learnable(score_mod: object) -> tuple[Tensor, ...]:
