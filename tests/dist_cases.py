@@ -1,7 +1,7 @@
 """The cases a spawned world runs (tests/test_distributed.py): each compares ``qd.attention``
 on this rank's shard with the single-process ``qkv.attention`` and the float64 oracle on the
 unsplit tensors (output, lse and every gradient, with random upstream gradients for both out
-and lse), by error ratio against plain PyTorch in float32 (STYLE.md rule 4).
+and lse), by error ratio against plain PyTorch in float32.
 
 A case returns a list of failures (empty: passed); every rank of the world runs every case
 in the same order, because each is a collective.
@@ -17,6 +17,7 @@ import torch
 
 import qkv
 import qkv.distributed as qd
+from catalogue import lay_out
 from qkv_testing import FLOOR, _maxerr, oracle, plain_attention
 
 Tensor = torch.Tensor
@@ -71,6 +72,13 @@ def _closure(L: int, H: int, g: torch.Generator) -> tuple[object, list[Tensor]]:
     return near, [table]
 
 
+def _table_transposed(L: int, H: int, g: torch.Generator) -> tuple[object, list[Tensor]]:
+    """A learnable table whose storage is transposed (a leaf with strides (1, 13)): its
+    gradient is all-reduced, and NCCL takes only contiguous tensors."""
+    t = (0.5 * torch.randn(H, 2 * 6 + 1, generator=g)).t().detach().requires_grad_()
+    return qkv.relative_bias(t, 6), [t]
+
+
 def _bias(L: int, H: int, g: torch.Generator) -> tuple[object, list[Tensor]]:
     b = torch.randn(1, H, L, L, generator=g).requires_grad_()
     return b, [b]
@@ -102,6 +110,9 @@ CASES: dict[str, Case] = {
     ),
     "softcap": Case(mask=lambda L, g: qkv.causal, score=lambda L, H, g: (qkv.softcap(2.0), [])),
     "learnable relative_bias table": Case(mask=lambda L, g: qkv.sliding_window(9), score=_table),
+    "learnable table in transposed storage": Case(
+        Hq=4, mask=lambda L, g: qkv.causal, score=_table_transposed
+    ),
     "score_mod closing over a table": Case(score=_closure),
     "learnable bias tensor": Case(mask=lambda L, g: qkv.causal, score=_bias),
     "GQA": Case(Hq=4, Hkv=2, D=16, Dv=12, mask=lambda L, g: qkv.causal),
@@ -109,6 +120,7 @@ CASES: dict[str, Case] = {
     "even length": Case(L=48, mask=lambda L, g: qkv.causal),
     "tiny (empty chunks)": Case(L=5, mask=lambda L, g: qkv.causal),
     "bfloat16": Case(dtype=torch.bfloat16, mask=lambda L, g: qkv.causal),
+    "float64": Case(dtype=torch.float64, mask=lambda L, g: qkv.document(_docs(L, g))),
 }
 
 
@@ -127,7 +139,12 @@ def _compare(
     return out
 
 
-def run_case(rank: int, W: int, layout: str, name: str, seed: int = 0) -> list[str]:
+def run_case(
+    rank: int, W: int, layout: str, name: str, seed: int = 0, memory: str = "contiguous"
+) -> list[str]:
+    """``memory``: how this rank's q, k, v shards and its upstream gradient of out lie in
+    memory (:data:`catalogue.LAYOUTS`: transposed storage, every other element with NaN
+    between, permuted, at an offset with NaN before, heads expanded from one)."""
     c = CASES[name]
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(c.B, c.Hq, c.L, c.D, generator=g).to(c.dtype)
@@ -136,19 +153,21 @@ def run_case(rank: int, W: int, layout: str, name: str, seed: int = 0) -> list[s
     mask = c.mask(c.L, g)
     score, params = c.score(c.L, c.Hq, g)
     do = torch.randn(c.B, c.Hq, c.L, c.Dv, generator=g)
+    if memory == "expanded":  # one head's values in every head: what an expanded view holds
+        q, k, v, do = (t[:, :1].expand_as(t).contiguous() for t in (q, k, v, do))
     dl = torch.randn(c.B, c.Hq, c.L, generator=g)
     lay = qd.Layout(layout, W, c.L)
     kw: dict[str, Any] = {"mask": mask, "score_mod": score}
 
     def grads(out: Tensor, lse: Tensor, wrt: list[Tensor], full: bool) -> list[Tensor]:
-        d_o, d_l = (do, dl) if full else (lay.take(do, rank), lay.take(dl, rank))
+        d_o, d_l = (do, dl) if full else (lay_out(lay.take(do, rank), memory), lay.take(dl, rank))
         d_l = torch.where(torch.isinf(lse.detach()), torch.zeros_like(d_l), d_l)
         return list(torch.autograd.grad((out, lse), wrt, (d_o.to(out.dtype), d_l)))
 
     def leaves(ts: tuple[Tensor, ...]) -> list[Tensor]:
         return [t.detach().requires_grad_() for t in ts]
 
-    ql, kl, vl = leaves(tuple(lay.take(t, rank) for t in (q, k, v)))
+    ql, kl, vl = (lay_out(t, memory) for t in leaves(tuple(lay.take(t, rank) for t in (q, k, v))))
     out_l, lse_l = qd.attention(ql, kl, vl, layout=layout, return_lse=True, **kw)
     g_dist = grads(out_l, lse_l, [ql, kl, vl, *params], full=False)
 
@@ -171,8 +190,10 @@ def run_case(rank: int, W: int, layout: str, name: str, seed: int = 0) -> list[s
             t.data = d
 
     fl = FLOOR[c.dtype]
-    local = [True, True, True] + [False] * len(params)  # params' gradients are all-reduced
     fails = []
+    if lse_l.dtype != lse_s.dtype:  # float64 inputs get a float64 lse, as in one process
+        fails.append(f"lse is {lse_l.dtype}; qkv.attention gives {lse_s.dtype}")
+    local = [True, True, True] + [False] * len(params)  # params' gradients are all-reduced
     for what, mine, exact, single, plain, f, floor in [
         ("out", out_l, out_6, out_s, out_p, 2.0, fl),
         ("lse", lse_l, lse_6, lse_s, lse_p, 2.0, fl),

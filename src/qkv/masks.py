@@ -44,6 +44,12 @@ class _BuiltinMask:
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         """Raise ValueError if this mask cannot describe a ``[B, H, Lq, Lk]`` problem."""
 
+    def carried(self) -> list[tuple[str, object]]:
+        """What this mask holds beyond its name, as ``(what, value)``: its tensors (ids,
+        lengths) and, for a combination, its parts. ``qkv.distributed`` compares them across
+        ranks; the per-device copies a mask keeps are not part of it."""
+        return []
+
     @property
     def __name__(self) -> str:  # error messages name a mask_mod by __name__
         return repr(self)
@@ -140,6 +146,10 @@ class _KvBelow(_BuiltinMask):
             ok = ok & (kv_idx >= self._on("start", self.start, kv_idx.device)[b])
         return ok
 
+    def carried(self) -> list[tuple[str, object]]:
+        ends = "padding lengths" if self.start is None else "padding ends (start + lengths)"
+        return [(ends, self.limit), ("padding starts", self.start)]
+
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         if isinstance(self.limit, Tensor) and self.limit.shape[0] != B:
             raise ValueError(
@@ -210,6 +220,9 @@ class _Document(_BuiltinMask):
         ids = self._ids(q_idx.device)
         return ids[q_idx] == ids[kv_idx]
 
+    def carried(self) -> list[tuple[str, object]]:
+        return [("document ids", self.ids)]
+
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         n = self.ids.shape[0]
         if n < max(Lq, Lk):
@@ -267,6 +280,9 @@ def prefix_lm(n: int) -> MaskMod:
 class _Combined(_BuiltinMask):
     def __init__(self, mods: tuple[Any, ...], name: str) -> None:
         self.mods, self._name = mods, name
+
+    def carried(self) -> list[tuple[str, object]]:
+        return [("part", m) for m in self.mods]
 
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         for m in self.mods:

@@ -27,6 +27,11 @@ class _BuiltinScore:
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         """Raise ValueError if this score_mod cannot describe a ``[B, H, Lq, Lk]`` problem."""
 
+    def carried(self) -> list[tuple[str, object]]:
+        """The tensors this score holds, as ``(what, tensor)`` (``qkv.distributed`` compares
+        them across ranks)."""
+        return []
+
     def _heads(self, what: str, n: int, H: int) -> None:
         if n != H:
             raise ValueError(
@@ -43,6 +48,9 @@ class _Alibi(_BuiltinScore):
     ) -> Tensor:
         slopes = self.slopes.to(device=score.device)
         return score + slopes[h] * (kv_idx - q_idx)
+
+    def carried(self) -> list[tuple[str, object]]:
+        return [("slopes", self.slopes)]
 
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         self._heads("slopes", self.slopes.shape[0], H)
@@ -124,6 +132,9 @@ class _RelativeBias(_BuiltinScore):
         rel = (q_idx - kv_idx).clamp(-r, r) + r  # index into the table's first axis
         table = self.table.to(device=score.device)
         return score + table[rel, h]
+
+    def carried(self) -> list[tuple[str, object]]:
+        return [("table", self.table)]
 
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         self._heads("table's second axis", self.table.shape[1], H)

@@ -68,7 +68,9 @@ def backward(
     dot = (dout * out).sum(-1)  # [B, Hq, L_local]
     dq = torch.zeros(q.shape, dtype=wd, device=q.device)
     dkv = torch.zeros(*k.shape[:3], k.shape[3] + v.shape[3], dtype=wd, device=k.device)
-    dparams = [torch.zeros_like(p, dtype=wd) for p in params]
+    # Contiguous whatever the tensor's own strides (zeros_like would keep a transposed
+    # table's): they go to all_reduce, and NCCL takes only contiguous tensors.
+    dparams = [torch.zeros(p.shape, dtype=wd, device=p.device) for p in params]
     D = k.shape[3]
     grad_ex = Exchange(spec.group, "backward")
     W = lay.world_size

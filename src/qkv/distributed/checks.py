@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -96,7 +97,29 @@ FIELDS = (
     "learnable tensors",
     "needs grad",
     "device type",
+    "number of tensors the mask and score_mod carry",
+    "user mods to probe",
 )
+
+# The checksums of the first SLOTS tensors a mask and score carry travel one per field of the
+# descriptor (so an error names the one that differs); any further ones share the last field.
+SLOTS = 6
+_MASK63 = (1 << 63) - 1  # checksums travel as int64
+
+
+def _slots(content: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
+    """The descriptor's content fields: ``SLOTS`` checksums (0 where unused) and their names."""
+    if len(content) <= SLOTS:
+        names = [w for w, _ in content]
+        vals = [c & _MASK63 for _, c in content]
+    else:
+        rest = content[SLOTS - 1 :]
+        names = [w for w, _ in content[: SLOTS - 1]]
+        others = ", ".join(w for w, _ in rest)
+        names.append(f"the mask's and score_mod's other tensors ({others})")
+        vals = [c & _MASK63 for _, c in content[: SLOTS - 1]]
+        vals.append(_crc(" ".join(str(c) for _, c in rest)))
+    return names + [""] * (SLOTS - len(names)), vals + [0] * (SLOTS - len(vals))
 
 
 def agree(
@@ -113,13 +136,20 @@ def agree(
     scale: float | None,
     n_params: int,
     needs_grad: bool,
+    content: Sequence[tuple[str, int]] = (),
+    probes: int = 0,
     local_error: Exception | None = None,
 ) -> Layout:
     """All-gather each rank's description of the call; raise naming the ranks that disagree,
     or whose shard length is not what the layout gives them. Returns the layout.
 
     A rank whose own inputs were refused (``local_error``) still joins the all_gather, so
-    every rank raises instead of the others waiting for it until the group's timeout."""
+    every rank raises instead of the others waiting for it until the group's timeout.
+
+    ``content``: ``(what, checksum)`` of every tensor the mask and score_mod carry
+    (:mod:`qkv.distributed.content`): ranks whose mask has the same name and shape but other
+    ids, lengths or values are refused here, on every rank, naming the tensor. ``probes``: how
+    many user mods the call will probe (:func:`agree_probes`)."""
     if local_error is not None:  # stand-ins, only to fill the descriptor
         q = k = v = torch.zeros(1, 1, 1, 1)
     mine = [
@@ -138,12 +168,16 @@ def agree(
         n_params,
         int(needs_grad),
         _crc(q.device.type),
+        len(content),
+        probes,
     ]
+    names, vals = _slots(list(content))
+    mine += vals
     dev = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     t = torch.tensor(mine, dtype=torch.int64, device=dev)
     out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
     gather_into(out, t, group=group)
-    table = out.view(W, len(mine)).cpu().tolist()  # [W, fields]
+    table = out.view(W, len(mine)).cpu().tolist()  # [W, fields + SLOTS]
     if local_error is not None:
         raise local_error
     failed = [r for r in range(W) if table[r][1]]
@@ -163,6 +197,15 @@ def agree(
                 f"score_mod {score}, scale {scale}); every rank must make the same call on "
                 f"its own shard"
             )
+    for i, what in enumerate(names):
+        vals = [row[len(FIELDS) + i] for row in table]
+        if len(set(vals)) > 1:
+            raise ValueError(
+                f"rank {rank}: {what} differ between ranks ({_by_rank(vals, rank)}); every "
+                f"rank must pass the same mask and score_mod (mask {mask}, score_mod {score}), "
+                f"built from the same tensors: they span the whole sequence, only q, k and v "
+                f"are split"
+            )
     lengths = [row[0] for row in table]
     L = infer_length(layout, W, lengths)
     if L is None:
@@ -175,3 +218,49 @@ def agree(
             f"(this rank holds q {list(q.shape)}). Split with qd.shard(x, layout={layout!r})"
         )
     return Layout(layout, W, L)
+
+
+def _by_rank(vals: list[int], rank: int) -> str:
+    """``rank 0 has checksum 0x..., rank 1 has 0x... (ranks [1] differ from this one)``."""
+    who = [r for r in range(len(vals)) if vals[r] != vals[rank]]
+    each = ", ".join(f"rank {r} has {v:#x}" for r, v in enumerate(vals))
+    return f"checksums: {each}; ranks {who} differ from this one"
+
+
+def agree_probes(
+    group: Any,
+    rank: int,
+    W: int,
+    device: torch.device,
+    probes: tuple[int, int],
+    *,
+    users: list[str],
+    where: str,
+    local_error: Exception | None,
+) -> None:
+    """All-gather the checksums of the user mods' results on the probe grid
+    (:func:`qkv.distributed.content.probe`); raise on every rank if they differ, or if a rank
+    could not build the global problem or probe it (its own error there)."""
+    mine = [int(local_error is not None), probes[0] & _MASK63, probes[1] & _MASK63]
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(mine, dtype=torch.int64, device=dev)
+    out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
+    gather_into(out, t, group=group)
+    table = out.view(W, len(mine)).cpu().tolist()  # [W, 3]
+    if local_error is not None:
+        raise local_error
+    failed = [r for r in range(W) if table[r][0]]
+    if failed:
+        raise ValueError(
+            f"rank {rank}: ranks {failed} refused the mask or score_mod of qd.attention (their "
+            f"error says why); this rank stops with them"
+        )
+    for f, what in ((1, "mask"), (2, "score_mod")):
+        vals = [row[f] for row in table]
+        if len(set(vals)) > 1:
+            raise ValueError(
+                f"rank {rank}: the {what} gives different results on different ranks at the "
+                f"same global positions ({where}; {_by_rank(vals, rank)}); every rank must "
+                f"pass the same {what} ({', '.join(users)}), computing the same thing from "
+                f"the same captured values"
+            )

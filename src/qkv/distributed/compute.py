@@ -153,7 +153,7 @@ def forward(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
     wd = work_dtype(q.dtype)
     B, Hq, Ll, _ = q.shape
     out = q.new_zeros(B, Hq, Ll, v.shape[3], dtype=wd)
-    lse = torch.full((B, Hq, Ll), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, Ll), float("-inf"), dtype=wd, device=q.device)
 
     def visit(step: Step, ch: Chunks) -> None:
         for pair in step.pairs:
