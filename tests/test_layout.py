@@ -268,3 +268,18 @@ def test_no_comment_points_outside_the_repository() -> None:
             if DANGLING.search(line):
                 found.append(f"{name}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_import_qkv_loads_no_model_code() -> None:
+    """``import qkv`` is the attention library: the checkpoint readers (``qkv.models``), the
+    transformers bridge, context parallelism and the renderers load on first use."""
+    import subprocess
+    import sys
+
+    heavy = ("qkv.models", "qkv.hf", "qkv.distributed", "qkv.viz", "qkv._cli")
+    code = f"import sys, qkv; print(sorted(m for m in sys.modules if m.startswith({heavy})))"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == "[]", got.stdout
+    code = "import qkv; print('models' in dir(qkv), type(qkv.models.load).__name__)"
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.split() == ["True", "function"], got.stdout

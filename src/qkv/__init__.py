@@ -3,7 +3,10 @@
 The public surface is what this module re-exports (``__all__``); everything else is private.
 """
 
-from . import inspect, models, reference
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import inspect, reference
 from .blockmask import BlockMask, block_mask
 from .cache import KVCache, SlidingWindowCache
 from .functional import attention
@@ -13,7 +16,23 @@ from .planner import Plan, plan, set_dense_limit
 from .rope import RotaryEmbedding
 from .scores import alibi, alibi_slopes, relative_bias, softcap
 
+if TYPE_CHECKING:
+    from . import models
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # qkv.models (real checkpoints: tokenizers, GGUF, safetensors) is imported on first use,
+    # so `import qkv` loads no model code.
+    if name == "models":
+        return importlib.import_module(".models", __name__)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "models"})
+
 
 __all__ = [
     "BlockMask",

@@ -31,6 +31,7 @@ import torch
 from ._checks import callable_name
 from ._kinds import MaskKind, band, classify_score
 from ._problem import mask_kind
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -88,7 +89,7 @@ def band_covers(m: MaskKind, lo: int, hi: int) -> bool:
     return m.is_band and (m.lo is None or m.lo <= lo) and (m.hi is None or m.hi >= hi)
 
 
-def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> object:
+def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> MaskLike:
     """The band ``m`` over absolute offsets as a band over buffer offsets ``j - i`` when
     ``kv_abs - q_abs = (j - i) - d``; ``None`` when it lets every pair of ``[Lq, Lk]`` through.
     A prefill (``d = 0``) of ``qkv.causal`` stays causal, so it reaches SDPA's ``is_causal``."""
@@ -99,7 +100,7 @@ def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> object:
     return band(lo, hi, f"{m.name} at absolute positions (shifted by {d})").mask_mod
 
 
-def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> object:
+def mask_at(mask: MaskLike, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> MaskLike:
     """The mask to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
     kind = mask_kind(mask)
     if kind.kind in ("none", "tensor"):
@@ -109,7 +110,7 @@ def mask_at(mask: object, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> obj
     return MaskAt(kind.mask_mod, q_offset, kv_pos, q_offset + Lq)
 
 
-def score_at(score_mod: object, q_offset: int, kv_pos: KvPos, Lq: int) -> object:
+def score_at(score_mod: ScoreLike, q_offset: int, kv_pos: KvPos, Lq: int) -> ScoreLike:
     """The score_mod to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
     if classify_score(score_mod).kind in ("none", "bias"):
         return score_mod  # a bias already spans the buffer's [Lq, Lk]

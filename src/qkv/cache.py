@@ -22,6 +22,7 @@ from ._kinds import band
 from ._positions import _RingPositions, band_covers, mask_at, score_at
 from ._problem import mask_kind
 from .masks import and_masks
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -208,8 +209,8 @@ class KVCache(_Cache):
             )
 
     def _extend(
-        self, k: Tensor, v: Tensor, mask: object, score_mod: object, *, ordered: bool
-    ) -> tuple[Tensor, Tensor, object, object]:
+        self, k: Tensor, v: Tensor, mask: MaskLike, score_mod: ScoreLike, *, ordered: bool
+    ) -> tuple[Tensor, Tensor, MaskLike, ScoreLike]:
         """Append ``k [B, Hkv, Lq, D]``, ``v`` and return what to attend to."""
         n, Lq = self.length, k.shape[2]
         Lk = n + Lq
@@ -291,8 +292,8 @@ class SlidingWindowCache(_Cache):
                 )
 
     def _extend(
-        self, k: Tensor, v: Tensor, mask: object, score_mod: object, *, ordered: bool
-    ) -> tuple[Tensor, Tensor, object, object]:
+        self, k: Tensor, v: Tensor, mask: MaskLike, score_mod: ScoreLike, *, ordered: bool
+    ) -> tuple[Tensor, Tensor, MaskLike, ScoreLike]:
         n, Lq, W = self.length, k.shape[2], self.window
         self._pending = None  # left over from a call that failed
         if Lq == 1 and not ordered:
@@ -332,8 +333,8 @@ class SlidingWindowCache(_Cache):
         super()._advance(n)
 
     def _extend_one(
-        self, k: Tensor, v: Tensor, mask: object, score_mod: object
-    ) -> tuple[Tensor, Tensor, object, object]:
+        self, k: Tensor, v: Tensor, mask: MaskLike, score_mod: ScoreLike
+    ) -> tuple[Tensor, Tensor, MaskLike, ScoreLike]:
         """One new token at position ``n``: write it over slot ``n % W`` (which held position
         ``n - W``, just out of the window) and attend to the filled slots in ring order."""
         n, W = self.length, self.window

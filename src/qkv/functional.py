@@ -6,6 +6,7 @@ import torch
 
 from . import _plain, _recording, planner
 from ._problem import validate
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -14,9 +15,9 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: object = None,
+    mask: MaskLike = None,
     *,
-    score_mod: object = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,

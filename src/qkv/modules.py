@@ -17,6 +17,7 @@ from ._cache_state import LayerKey
 from .cache import KVCache, SlidingWindowCache
 from .functional import attention
 from .rope import RotaryEmbedding
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -234,8 +235,8 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         x_q: Tensor,
         x_kv: Tensor | tuple[Tensor, Tensor] | None = None,
         *,
-        mask: object = None,
-        score_mod: object = None,
+        mask: MaskLike = None,
+        score_mod: ScoreLike = None,
         cache: KVCache | SlidingWindowCache | None = None,
         need_weights: bool = False,
         context_parallel: object = None,
@@ -261,7 +262,6 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
                 probabilities *before* dropout (rows sum to 1), whereas
                 ``torch.nn.MultiheadAttention`` returns the dropped-out, rescaled weights it
                 multiplied ``v`` with.
-
             context_parallel: ``True``, a process group or a ``qkv.distributed.ContextParallel``:
                 ``x_q`` is this rank's shard of a split sequence (``qd.shard(x, dim=1)``) and
                 attention runs over the whole sequence, by ``qkv.distributed.attention``.

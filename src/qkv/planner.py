@@ -19,6 +19,7 @@ from ._flexplan import plan_notes
 from ._problem import Problem, validate
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import Backend, Route, Unavailable
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -273,9 +274,9 @@ def plan(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: object = None,
+    mask: MaskLike = None,
     *,
-    score_mod: object = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..typing import MaskLike
 
 _MASKS = "none, causal, window:LEFT[:RIGHT], prefix:N"
 
@@ -19,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
 
 
-def _mask(spec: str) -> object:
+def _mask(spec: str) -> MaskLike:
     import qkv
 
     kind, _, rest = spec.partition(":")

@@ -13,6 +13,7 @@ from .._kinds import describe
 from .._problem import Problem, validate
 from ..backends.base import unit_last_stride
 from ..backends.blocksparse.autograd import captured
+from ..typing import MaskLike, ScoreLike
 from . import backward as _backward
 from . import checks, compute, content
 from . import plan as _plan
@@ -69,9 +70,9 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: object = None,
+    mask: MaskLike = None,
     *,
-    score_mod: object = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
     group: Any = None,
     layout: str = "zigzag",
@@ -221,8 +222,8 @@ def plan(
     L: int,
     D: int,
     *,
-    mask: object = None,
-    score_mod: object = None,
+    mask: MaskLike = None,
+    score_mod: ScoreLike = None,
     world_size: int,
     layout: str = "zigzag",
     Hkv: int | None = None,

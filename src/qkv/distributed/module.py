@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..typing import MaskLike, ScoreLike
 from . import checks
 from .api import attention
 from .layout import Layout, check_layout, infer_length
@@ -48,8 +49,8 @@ class Bound:
         k: Tensor,
         v: Tensor,
         *,
-        mask: object = None,
-        score_mod: object = None,
+        mask: MaskLike = None,
+        score_mod: ScoreLike = None,
         dropout_p: float = 0.0,
         return_lse: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ import torch
 
 from .._kinds import MaskKind, ScoreKind
 from .._positions import MaskAt, ScoreAt, shift_band
+from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -26,7 +27,7 @@ def _slice(t: Tensor, q: tuple[int, int], k: tuple[int, int]) -> Tensor:
     return t[:, :, rows, cols]
 
 
-def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> object:
+def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> MaskLike:
     """The ``mask=`` of the partial call over queries ``[q0, q1)`` and keys ``[k0, k1)``."""
     if m.kind == "none":
         return None
@@ -39,7 +40,7 @@ def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> obj
     return MaskAt(m.mask_mod, q[0], k[0], L)
 
 
-def score_for(s: ScoreKind, q: tuple[int, int], k: tuple[int, int], L: int) -> object:
+def score_for(s: ScoreKind, q: tuple[int, int], k: tuple[int, int], L: int) -> ScoreLike:
     """The ``score_mod=`` of the same partial call."""
     if s.kind == "none":
         return None

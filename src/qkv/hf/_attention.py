@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from ..functional import attention
 from ..inspect import weights as inspect_weights
 from ..masks import and_masks, causal, document
 from ..scores import softcap as softcap_mod
+from ..typing import MaskLike, ScoreLike
 from ._mask import HFMask
 
 Tensor = torch.Tensor
@@ -214,7 +215,7 @@ def attention_forward(
             mask = packed if mask is None else and_masks(mask, packed)  # type: ignore[arg-type]
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
-    score_mod: object = None
+    score_mod: ScoreLike = None
     if bias is not None:
         score_mod = bias if softcap is None else _CappedBias(float(softcap), bias)
     elif softcap is not None:
@@ -228,7 +229,7 @@ def attention_forward(
             query,
             key,
             value,
-            mask=mask,
+            mask=cast("MaskLike", mask),  # qkv.attention checks it
             score_mod=score_mod,
             scale=scaling,
             dropout_p=float(dropout),

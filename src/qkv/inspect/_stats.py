@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._problem import Problem
+from ..typing import MaskLike, ScoreLike
 from ._weights import check_problem, scores
 
 Tensor = torch.Tensor
@@ -52,8 +53,8 @@ def stats(
     k: Tensor,
     *,
     lse: Tensor,
-    mask: object = None,
-    score_mod: object = None,
+    mask: MaskLike = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
     top_k: int = 5,
 ) -> Stats:
