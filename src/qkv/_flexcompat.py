@@ -208,7 +208,10 @@ class ModCall:
             try:
                 # qkv.block_mask evaluates a mask at each position exactly once: a mask_mod
                 # decided on its first tile is not evaluated again at positions alone.
-                alone = self.kind == "score_mod"
+                # While dynamo traces, values cannot be compared: decided by what
+                # broadcasting returns, and not remembered for eager calls.
+                tracing = torch.compiler.is_compiling()
+                alone = self.kind == "score_mod" and not tracing
                 out, self.why = _decide(self.kind, self.fn, args, alone)
             except _SameError as e:  # its own bug: raised as it is
                 raise e.error from None
@@ -241,6 +244,15 @@ def mask_mod_convention(
     known = _known("mask_mod", fn, device.type)
     if known is not None:
         return known
+    if torch.compiler.is_compiling():
+        # A mod met first while dynamo traces (a closure made inside the compiled function):
+        # comparing values there would be data-dependent, so the trace decides by what
+        # broadcasting returns (an error or a wrong shape: vmap), and remembers nothing.
+        try:
+            _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device), alone=False)
+        except _SameError:
+            return fn
+        return fn if why is None else ModCall("mask_mod", fn, why, decided=True)
     try:
         _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device))
     except _SameError:  # its own bug: it surfaces where it always did, after the input checks

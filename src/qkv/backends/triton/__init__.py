@@ -35,9 +35,13 @@ __all__ = ["TritonBackend"]
 MAX_HEAD_DIM = 256
 
 
-@functools.cache
+_found: dict[str, bool] = {}  # a dict, not functools.cache: dynamo reads it without a warning
+
+
 def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    if "triton" not in _found:
+        _found["triton"] = importlib.util.find_spec("triton") is not None
+    return _found["triton"]
 
 
 class TritonBackend(Backend):
