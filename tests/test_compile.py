@@ -175,6 +175,75 @@ def test_multi_head_attention_with_a_window_and_documents_compiles_fullgraph():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+# Beyond SMALL_DENSE (2^20 scores): the block-sparse engine, as the qkv::blocksparse operator
+# while dynamo traces. GQA and Lq != Lk in every case.
+BIG = Shape(1, 4, 2, 600, 520, 16)
+
+
+def _big_cases() -> dict[str, dict]:
+    L = BIG.Lk
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.arange(BIG.Lq) * 4 // BIG.Lq  # covering max(Lq, Lk)
+    return {
+        "window": {"mask": qkv.sliding_window(40)},
+        "causal_document": {"mask": qkv.and_masks(qkv.causal, qkv.document(ids))},
+        "padding": {"mask": qkv.padding(torch.tensor([L - 77]), start=torch.tensor([5]))},
+        "prefix_lm": {"mask": qkv.prefix_lm(50)},
+        "bool": {"mask": torch.rand(BIG.Lq, L, generator=gen) > 0.4},
+        "bias": {"score_mod": torch.randn(1, 4, BIG.Lq, L, generator=gen).requires_grad_()},
+        "alibi": {"mask": qkv.causal, "score_mod": qkv.alibi(qkv.alibi_slopes(4).requires_grad_())},
+        "softcap": {"mask": qkv.sliding_window(64), "score_mod": qkv.softcap(5.0)},
+        "relative": {"score_mod": qkv.relative_bias(torch.randn(17, 4).requires_grad_(), 8)},
+        "lse": {"mask": qkv.sliding_window(30), "return_lse": True},
+    }
+
+
+def _learnable(kw: dict) -> list[torch.Tensor]:
+    s = kw.get("score_mod")
+    found = (
+        [s] if isinstance(s, torch.Tensor) else [getattr(s, a, None) for a in ("slopes", "table")]
+    )
+    return [t for t in found if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+@pytest.mark.parametrize("name", list(_big_cases()))
+def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name: str):
+    kw = _big_cases()[name]
+    q, k, v = make_qkv(BIG, gen=8)
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, **kw)
+        loss = out[0].sum() + out[1].sum() if isinstance(out, tuple) else out.sum()
+        return [loss.detach(), *torch.autograd.grad(loss, leaves + _learnable(kw))]
+
+    want = run(qkv.attention)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    got = run(torch.compile(qkv.attention, fullgraph=True, backend=counter))
+    assert counter.frame_count == 1
+    ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
+    if name != "bias":  # (a bias alone is SDPA's, as in eager)
+        assert "qkv.blocksparse" in ops, sorted(ops)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_operator_takes_new_ids_without_recompiling_and_user_mods_still_run():
+    q, k, v = make_qkv(BIG, gen=9)
+    counter = torch._dynamo.testing.CompileCounter()
+    f = torch.compile(qkv.attention, fullgraph=True, backend=counter)
+    for cut in (100, 300):  # new document ids of the same shape: the same graph
+        mask = qkv.document((torch.arange(BIG.Lq) >= cut).long())
+        torch.testing.assert_close(f(q, k, v, mask=mask), qkv.attention(q, k, v, mask=mask))
+    assert counter.frame_count == 1
+    # A user's mask_mod is code, not tensors: it runs eagerly in the engine, with graph breaks.
+    def near(b, h, qi, ki):
+        return ki <= qi + 3
+
+    g = torch.compile(qkv.attention, backend="aot_eager")
+    torch.testing.assert_close(g(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
+
+
 @pytest.mark.slow
 def test_inductor_compiles_a_window_forward_and_backward():
     q, k, v = make_qkv(SHAPE, gen=5)

@@ -24,10 +24,11 @@ import torch
 
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
-from ..base import HUGE_LOGIT, Backend, Route, Runner, no_keys_result, unit_last_stride
-from . import autograd, schedule
+from ..base import Backend, Route, Runner, no_keys_result, unit_last_stride
+from . import autograd, compiled, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
+from .grads import huge_lse
 from .job import HiddenDependency, Job, Watch, fused_ok
 from .plan import block_mask_of, describe, make_job, native_band
 
@@ -59,6 +60,15 @@ class BlocksparseBackend(Backend):
         )
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
+        if torch.compiler.is_compiling() and compiled.why_not(p) is None:
+            # Its planning reads tensor values: while dynamo traces, the engine runs whole
+            # as a custom operator, planned when the graph runs.
+            return Route(
+                forward="the block-sparse engine as one operator (qkv::blocksparse; its tiles "
+                "planned when the compiled graph runs)",
+                backward="qkv::blocksparse_backward (the engine's recomputing backward)",
+                extra_memory=_extra_memory(p),
+            )
         job = make_job(p, dry_run=dry_run)
         fwd, bwd = describe(job)
         notes = []
@@ -91,9 +101,12 @@ class BlocksparseBackend(Backend):
         )
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        return _band_runner(p, route.detail)
+        return None if route.detail is None else _band_runner(p, route.detail)
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
+        if route.detail is None:  # the operators (while dynamo traces)
+            out, lse = compiled.attention(p)
+            return out, (lse if p.return_lse else None)
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
@@ -116,7 +129,7 @@ class BlocksparseBackend(Backend):
             out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
         except HiddenDependency:
             return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), q, k, v))
-        if job.fused and needs_grad and _huge(lse):
+        if job.fused and needs_grad and huge_lse(lse):
             # The fused kernel recomputes the scores in its backward with a different
             # summation order than its forward; at scores of ~1e3 and beyond the two
             # differ by more than float32 noise (5e-3 at 1e4, measured), which scales
@@ -170,9 +183,3 @@ def _extra_memory(p: Problem) -> int:
 def _maybe_lse(p: Problem, res: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
     out, lse = res
     return out, (lse.to(p.compute_dtype) if p.return_lse else None)
-
-
-def _huge(lse: Tensor) -> bool:
-    """Rows whose |lse| is beyond what the fused kernel's recomputed scores keep exact."""
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return bool((finite.abs() > HUGE_LOGIT).any())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base import HUGE_LOGIT
 from .job import Job, Piece
 
 Tensor = torch.Tensor
@@ -121,3 +122,9 @@ def add_bias_grad(job: Job, pc: Piece, dbias: Tensor, ds: Tensor) -> None:
         assert pc.index is not None
         sub = dbias[:, :, rows]
         sub.index_add_(3, pc.index.to(ds.device), red)
+
+
+def huge_lse(lse: Tensor) -> bool:
+    """Rows whose |lse| is beyond what the fused kernel's recomputed scores keep exact."""
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return bool((finite.abs() > HUGE_LOGIT).any())

@@ -35,13 +35,9 @@ __all__ = ["TritonBackend"]
 MAX_HEAD_DIM = 256
 
 
-_found: dict[str, bool] = {}  # a dict, not functools.cache: dynamo reads it without a warning
-
-
-def _have_triton() -> bool:
-    if "triton" not in _found:
-        _found["triton"] = importlib.util.find_spec("triton") is not None
-    return _found["triton"]
+# Looked up once, here: a cache filled on first use would be a global that dynamo sees change
+# after its first trace (a recompile), and functools.cache warns under dynamo.
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class TritonBackend(Backend):
@@ -56,7 +52,7 @@ class TritonBackend(Backend):
         return imprecise_backward(p)
 
     def rejects(self, p: Problem) -> str | None:
-        if not _have_triton():
+        if not _HAVE_TRITON:
             return "the triton package is not installed (CUDA builds of torch ship it)"
         if p.device.type == "cpu" and not launch.interpreted():
             return (

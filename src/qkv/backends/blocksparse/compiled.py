@@ -1,0 +1,202 @@
+"""The block-sparse engine as two custom operators, so ``torch.compile`` keeps it in one graph.
+
+Planning a block-sparse call reads tensor values (which tiles a document mask or padding
+lengths leave empty), which dynamo cannot trace without breaking the graph. While it traces,
+a call whose mask and score are built-ins (:mod:`qkv._kindspec`) goes through
+``qkv::blocksparse`` and ``qkv::blocksparse_backward`` instead: operators that take the
+tensors and the kinds' specs, plan and run the engine inside (as eager does), and have fake
+implementations that give only the output shapes. Autograd is registered on the forward
+operator: gradients reach q, k, v and the tensors a score carries (a bias, ALiBi slopes, a
+relative-bias table). A user's mask_mod or score_mod cannot cross an operator (it is code,
+not a tensor): such calls keep the engine's eager path, with graph breaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
+from ..._problem import Problem
+from ..base import unit_last_stride
+from .autograd import captured
+from .backward import backward
+from .forward import forward
+from .grads import huge_lse
+from .plan import make_job
+
+Tensor = torch.Tensor
+
+__all__ = ["attention", "why_not"]
+
+
+def why_not(p: Problem) -> str | None:
+    """Why a call cannot run as the operators (None if it can)."""
+    if p.dropout_p > 0:
+        return "dropout draws random numbers per call (eager only)"
+    if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
+        return "an empty problem"
+    if mask_spec(p.mask, []) is None:
+        return f"the mask {p.mask.name} holds a user's mask_mod (code, not tensors)"
+    if score_spec(p.score, []) is None:
+        return f"the score_mod {p.score.name} is a user's (code, not tensors)"
+    return None
+
+
+def attention(p: Problem) -> tuple[Tensor, Tensor]:
+    """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (compute dtype) of ``p`` through the
+    operators (:func:`why_not` said it can)."""
+    mt: list[Tensor] = []
+    st: list[Tensor] = []
+    ms, ss = mask_spec(p.mask, mt), score_spec(p.score, st)
+    assert ms is not None and ss is not None
+    out, lse = torch.ops.qkv.blocksparse(p.q, p.k, p.v, ms, mt, ss, st, p.scale)
+    return out, lse.to(p.compute_dtype)
+
+
+def _problem(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ms: str,
+    mt: list[Tensor],
+    ss: str,
+    st: list[Tensor],
+    scale: float,
+) -> Problem:
+    return Problem(
+        q=q,
+        k=k,
+        v=v,
+        mask=mask_from_spec(ms, mt),
+        score=score_from_spec(ss, st),
+        scale=scale,
+        dropout_p=0.0,
+        return_lse=True,
+        orig_ndim=4,
+    )
+
+
+@torch.library.custom_op("qkv::blocksparse", mutates_args=())
+def _forward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_spec: str,
+    mask_tensors: list[Tensor],
+    score_spec: str,
+    score_tensors: list[Tensor],
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] float64)``."""
+    job = make_job(_problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale))
+    with torch.no_grad():
+        return forward(job, *_dense_last(job.fused, q, k, v))
+
+
+@_forward_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    B, Hq, Lq, _ = q.shape
+    return q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=torch.float64)
+
+
+@torch.library.custom_op("qkv::blocksparse_backward", mutates_args=())
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor,
+    mask_spec: str,
+    mask_tensors: list[Tensor],
+    score_spec: str,
+    score_tensors: list[Tensor],
+    scale: float,
+    need: list[bool],
+) -> list[Tensor]:
+    """``[dq, dk, dv, *d(score_tensors)]`` in the inputs' dtypes; an empty tensor where
+    ``need`` (q, k, v, then each score tensor) says no gradient is wanted."""
+    with _autograd_inside():  # a score's tensors are differentiated by re-running it
+        leaves = [
+            t.detach().requires_grad_(n) for t, n in zip(score_tensors, need[3:], strict=True)
+        ]
+        p = _problem(q, k, v, mask_spec, mask_tensors, score_spec, leaves, scale)
+        job = make_job(p)
+        if job.fused and huge_lse(lse):
+            # As eager does (BlocksparseBackend.run): rows beyond what the fused kernel's
+            # recomputed scores keep exact are redone with explicit matmuls.
+            job = make_job(p, matmul=True)
+            with torch.no_grad():
+                out, lse = forward(job, q, k, v)
+        params = tuple(captured(job.score_mod)) if job.score_mod is not None else ()
+        job = job.for_run(params=params)
+        bias_need = p.score.bias is not None and p.score.bias.requires_grad
+        need_all = [*need[:3], bias_need, *(t.requires_grad for t in params)]
+        qq, kk, vv = _dense_last(job.fused, q, k, v)
+        g = backward(job, qq, kk, vv, out, lse, dout, dlse, need_all)
+    by_id = {id(t): d for t, d in zip(params, g.dparams, strict=True)}
+    grads = [
+        g.dq.to(q.dtype) if need[0] else q.new_empty(0),
+        g.dk.to(k.dtype) if need[1] else k.new_empty(0),
+        g.dv.to(v.dtype) if need[2] else v.new_empty(0),
+    ]
+    for t, leaf, n in zip(score_tensors, leaves, need[3:], strict=True):
+        d = g.dbias if leaf is p.score.bias else by_id.get(id(leaf))
+        if not n:
+            grads.append(t.new_empty(0))
+        else:  # a tensor no visible score reached gets zeros, as plain autograd gives
+            grads.append(torch.zeros_like(t) if d is None else d.to(t.dtype))
+    return grads
+
+
+@_backward_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> list[Tensor]:
+    score_tensors, need = args[-3], args[-1]
+    return [
+        torch.empty_like(t) if n else t.new_empty(0)
+        for t, n in zip([q, k, v, *score_tensors], need, strict=True)
+    ]
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, ms, mt, ss, st, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, *mt, *st)
+    ctx.meta = (ms, len(mt), ss, scale)
+    ctx.need = [t.requires_grad for t in (q, k, v, *st)]
+
+
+def _backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Any, ...]:
+    ms, n_mask, ss, scale = ctx.meta
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    mt, st = rest[:n_mask], rest[n_mask:]
+    grads = torch.ops.qkv.blocksparse_backward(
+        q, k, v, out, lse, dout, dlse, ms, mt, ss, st, scale, ctx.need
+    )
+    dq, dk, dv, *ds = (g if n else None for g, n in zip(grads, ctx.need, strict=True))
+    return dq, dk, dv, None, [None] * n_mask, None, ds, None
+
+
+torch.library.register_autograd("qkv::blocksparse", _backward, setup_context=_setup)
+
+
+def _dense_last(fused: bool, *ts: Tensor) -> list[Tensor]:
+    # torch's fused kernel reads the last dim as dense: copy where it is not
+    return [unit_last_stride(t) for t in ts] if fused else list(ts)
+
+
+@contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Autograd recording inside an operator's implementation, which the dispatcher runs
+    with the autograd keys excluded: the backward re-runs a score under autograd to
+    differentiate the tensors it carries."""
+    keys = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    kept = excluded.remove(keys.AutogradFunctionality).remove(keys.AutogradOther)
+    included = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(included, kept), torch.enable_grad():
+        yield
