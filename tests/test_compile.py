@@ -236,12 +236,35 @@ def test_the_operator_takes_new_ids_without_recompiling_and_user_mods_still_run(
         mask = qkv.document((torch.arange(BIG.Lq) >= cut).long())
         torch.testing.assert_close(f(q, k, v, mask=mask), qkv.attention(q, k, v, mask=mask))
     assert counter.frame_count == 1
+
     # A user's mask_mod is code, not tensors: it runs eagerly in the engine, with graph breaks.
     def near(b, h, qi, ki):
         return ki <= qi + 3
 
     g = torch.compile(qkv.attention, backend="aot_eager")
     torch.testing.assert_close(g(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
+
+
+@pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(48), lambda: qkv.SlidingWindowCache(8)])
+def test_decoding_with_a_cache_compiles_fullgraph(make_cache):
+    """A prefill and 32 single-token steps: the compiled module equals eager, and the steps
+    share one graph (the growing cache length is dynamic after the first step)."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, n_kv_heads=2, rope=True).eval()
+    x = torch.randn(1, 40, 32)
+
+    def decode(module):
+        cache = make_cache()
+        outs = [module(x[:, :8], cache=cache, mask=qkv.causal)]
+        outs += [module(x[:, i : i + 1], cache=cache, mask=qkv.causal) for i in range(8, 40)]
+        return torch.cat(outs, 1)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        want = decode(mha)
+        got = decode(torch.compile(mha, fullgraph=True, backend=counter))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2, f"{counter.frame_count} graphs for a prefill and 32 steps"
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from threading import get_ident
 from typing import Any
 
+import torch
+
 __all__ = ["LayerKey", "StepGuard"]
 
 
@@ -47,14 +49,18 @@ class StepGuard:
         self._stepper = 0  # get_ident() of the thread inside the step, for the error
 
     def _enter(self, what: str) -> None:
-        """Take the guard for this thread, or raise: ``what`` the caller was about to do."""
+        """Take the guard for this thread, or raise: ``what`` the caller was about to do.
+        Not while dynamo traces: a lock is not traceable, and a compiled step runs whole."""
+        if torch.compiler.is_compiling():
+            return
         if not self._busy.acquire(blocking=False):
             self._refuse(what)
         self._stepper = get_ident()
 
     def _end_step(self) -> None:
         """The step that was let in is over, done or failed."""
-        self._busy.release()
+        if not torch.compiler.is_compiling():
+            self._busy.release()
 
     @contextmanager
     def _claimed(self, what: str) -> Iterator[None]:

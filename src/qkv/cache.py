@@ -88,7 +88,9 @@ class _Cache(StepGuard):
             spec = (B, Hkv, self._capacity, D)
             k = self._k
             if k is not None and k.shape == spec and (k.dtype, k.device) == (dtype, device):
-                if k.is_inference() and not torch.is_inference_mode_enabled():
+                # (dynamo cannot ask; inference mode and compiling do not mix anyway)
+                traced = torch.compiler.is_compiling()
+                if not traced and k.is_inference() and not torch.is_inference_mode_enabled():
                     if self.length > 0:
                         raise RuntimeError(
                             f"this {type(self).__name__} was filled under torch.inference_mode(), "
