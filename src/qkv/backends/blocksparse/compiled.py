@@ -138,7 +138,10 @@ def _backward_op(
         bias_need = p.score.bias is not None and p.score.bias.requires_grad
         need_all = [*need[:3], bias_need, *(t.requires_grad for t in params)]
         qq, kk, vv = _dense_last(job.fused, q, k, v)
-        g = backward(job, qq, kk, vv, out, lse, dout, dlse, need_all)
+        # Autograd hands the operator zeros where nothing flowed into lse (the usual case):
+        # the engine's backward then skips that term, as in eager.
+        d_lse = dlse if bool(dlse.any()) else None
+        g = backward(job, qq, kk, vv, out, lse, dout, d_lse, need_all)
     by_id = {id(t): d for t, d in zip(params, g.dparams, strict=True)}
     grads = [
         g.dq.to(q.dtype) if need[0] else q.new_empty(0),
