@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_mask_result
+from ._evaluate import call_mask_mod
 from ._flexcompat import _FLEX, mask_mod_convention
 from ._kinds import classify_mask
 from ._tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL
@@ -60,7 +60,7 @@ class _FlexMaskMod:
         allowed = st == FULL
         if self.any_partial:
             shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-            m = check_mask_result(self.mod(b, h, q_idx, kv_idx), self.mod, shape)
+            m = call_mask_mod(self.mod, b, h, q_idx, kv_idx, shape)
             allowed = allowed | ((st == PARTIAL) & m)
         return allowed
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_mask_result, index_tensors
+from ._evaluate import mask_at
 from ._kinds import MaskKind
 
 Tensor = torch.Tensor
@@ -103,7 +103,7 @@ def _tile_rows(g: Grid) -> tuple[int, int]:
 def _evaluate(m: MaskKind, g: Grid) -> Tensor:
     """Evaluate a mask_mod (or slice a bool tensor) tile by tile and reduce each block to
     empty / partial / full. Memory is bounded by ``EVAL_BUDGET`` positions per tile."""
-    t = m.tensor  # a bool tensor is sliced; a mask_mod is called
+    t = m.tensor
     if g.device.type == "meta" or (t is not None and t.device.type == "meta"):
         # No data to evaluate (qkv.plan on meta tensors): every block may hold anything.
         return torch.ones(1, 1, g.nq, g.nk, dtype=torch.int8)
@@ -115,15 +115,8 @@ def _evaluate(m: MaskKind, g: Grid) -> Tensor:
         r1 = min(g.Lq, r0 + rows)
         for c0 in range(0, g.Lk, cols):
             c1 = min(g.Lk, c0 + cols)
-            if t is not None:  # 4-D, dims of 1 broadcast
-                rs = slice(r0, r1) if t.shape[2] > 1 else slice(None)
-                cs = slice(c0, c1) if t.shape[3] > 1 else slice(None)
-                tile_mask = t[:, :, rs, cs]
-            else:
-                b, h, qi, ki = index_tensors(g.B, g.H, (r0, r1), (c0, c1), g.device)
-                shape = (g.B, g.H, r1 - r0, c1 - c0)
-                mod = m.mask_mod
-                tile_mask = check_mask_result(mod(b, h, qi, ki), mod, shape)
+            tile_mask = mask_at(m, (0, g.B), (0, g.H), (r0, r1), (c0, c1), g.device)
+            assert tile_mask is not None  # "none" has a rule
             tile = _reduce_tile(tile_mask, r1 - r0, c1 - c0, g.bq, g.bk).cpu()  # [b', h', nrb, ncb]
             if states is None or states.shape[:2] != tile.shape[:2]:
                 lead = (

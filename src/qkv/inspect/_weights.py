@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._checks import check_mask_result, check_score_result
+from .._evaluate import mask_at, score_at
 from .._problem import Problem, validate
 
 Tensor = torch.Tensor
@@ -90,17 +90,6 @@ def check_index(what: str, idx: Index, n: int, axis: str, device: torch.device) 
     return torch.where(t < 0, t + n, t).to(device)
 
 
-def _take(t: Tensor, heads: Tensor, rows: Tensor, k0: int, k1: int) -> Tensor:
-    """Heads/rows/keys of a tensor broadcastable to ``[B, Hq, Lq, Lk]`` (size-1 dims kept)."""
-    if t.shape[1] != 1:
-        t = t[:, heads]
-    if t.shape[2] != 1:
-        t = t[:, :, rows]
-    if t.shape[3] != 1:
-        t = t[..., k0:k1]
-    return t
-
-
 def scores(
     p: Problem, lse: Tensor, heads: Tensor | None, rows: Tensor, k0: int, k1: int
 ) -> tuple[Tensor, Tensor]:
@@ -123,21 +112,9 @@ def scores(
         qb = p.q[:, heads][:, :, rows].to(cdt)  # [B, h, r, D]
         s = qb @ kb[:, heads // g].transpose(-2, -1)  # [B, h, r, bk]
     s = s * p.scale
-    b = torch.arange(p.B, device=p.device).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
-    hi = heads.view(1, -1, 1, 1)  # [1, h, 1, 1]
-    qi = rows.view(1, 1, -1, 1)  # [1, 1, r, 1]
-    ki = torch.arange(k0, k1, device=p.device).view(1, 1, 1, -1)  # [1, 1, 1, bk]
-    shape = tuple(s.shape)
-    sc, m = p.score, p.mask
-    if sc.bias is not None:
-        s = s + _take(sc.bias, heads, rows, k0, k1).to(cdt)
-    elif sc.score_mod is not None:
-        s = check_score_result(sc.score_mod(s, b, hi, qi, ki), sc.score_mod, shape, cdt)
-    allowed: Tensor | None = None
-    if m.tensor is not None:
-        allowed = _take(m.tensor, heads, rows, k0, k1)
-    elif m.kind != "none":
-        allowed = check_mask_result(m.mask_mod(b, hi, qi, ki), m.mask_mod, shape)
+    at = ((0, p.B), heads, rows, (k0, k1))  # every batch, the heads and rows, the keys
+    s = score_at(p.score, s, *at)
+    allowed = mask_at(p.mask, *at, p.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     row_lse = lse[:, heads][:, :, rows].to(cdt).unsqueeze(-1)  # [B, h, r, 1]

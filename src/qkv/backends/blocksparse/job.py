@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..._checks import check_mask_result, check_score_result, index_tensors
+from ..._evaluate import Axis, mask_at, score_at, size, take
 from ..._kinds import MaskKind
 from ..._problem import Problem
 from ...blockmask import BlockMask
@@ -50,11 +50,12 @@ class Piece:
         assert self.index is not None
         return t.index_select(2, self.index.to(t.device))
 
-    def key_positions(self, device: torch.device) -> Tensor:
+    def key_axis(self) -> Axis:
+        """This piece's keys as an axis of a region: its one run, or its positions."""
         if len(self.runs) == 1:
-            return torch.arange(*self.runs[0], device=device)
+            return self.runs[0]
         assert self.index is not None
-        return self.index.to(device)
+        return self.index
 
 
 class HiddenDependency(Exception):
@@ -183,10 +184,7 @@ class Job:
             return got
         span = g.w * g.b
         q0, k0 = g.i0 * g.b, (g.i0 + g.c) * g.b
-        b, h, qi, _ = index_tensors(1, 1, (q0, q0 + g.b), (0, 0), device)
-        ki = torch.arange(k0, k0 + span, device=device).view(1, 1, 1, -1)  # [1, 1, 1, span]
-        mod = self._mask_mod()
-        m = check_mask_result(mod(b, h, qi, ki), mod, (1, 1, g.b, span))
+        m = self._mask_at((0, 1), (0, 1), (q0, q0 + g.b), (k0, k0 + span), device)
         m = m.expand(1, 1, g.b, span)
         fmask, dead = None, None
         if not bool(m.all()):
@@ -207,10 +205,7 @@ class Job:
             return g.masks[(device, dtype)]
         rows = g.w * g.b
         q0, k0 = (g.j0 + g.c) * g.b, g.j0 * g.b
-        b, h, qi, _ = index_tensors(1, 1, (q0, q0 + rows), (0, 0), device)
-        ki = torch.arange(k0, k0 + g.b, device=device).view(1, 1, 1, -1)  # [1, 1, 1, b]
-        mod = self._mask_mod()
-        m = check_mask_result(mod(b, h, qi, ki), mod, (1, 1, rows, g.b))
+        m = self._mask_at((0, 1), (0, 1), (q0, q0 + rows), (k0, k0 + g.b), device)
         m = m.expand(1, 1, rows, g.b)
         fmask = None
         if not bool(m.all()):
@@ -219,9 +214,12 @@ class Job:
         g.masks[(device, dtype)] = fmask
         return fmask
 
-    def _mask_mod(self) -> Any:
+    def _mask_at(self, b: Axis, h: Axis, q: Axis, k: Axis, device: torch.device) -> Tensor:
+        """The mask at a region: bool ``[nb|1, nh|1, nq|1, nk|1]``."""
         assert self.mask is not None
-        return self.mask.mask_mod
+        m = mask_at(self.mask, b, h, q, k, device)
+        assert m is not None  # a job holds no mask rather than "none"
+        return m
 
     def piece_mask(self, pc: Piece, device: torch.device) -> Tensor | None:
         """bool ``[b', h', q1-q0, span]`` (True = may attend) or ``None`` when every key of the
@@ -234,79 +232,42 @@ class Job:
             and pc.masked[0][0] == 0
             and pc.masked[0][2] - pc.masked[0][1] == pc.span
         ):
-            return self._eval(pc, pc.q0, pc.q1, None, device, rows)
+            return self._eval(pc, pc.key_axis(), device)
         m = torch.ones(1, 1, rows, pc.span, dtype=torch.bool, device=device)
         for off, k0, k1 in pc.masked:
-            r = self._eval(pc, pc.q0, pc.q1, (k0, k1), device, rows)
+            r = self._eval(pc, (k0, k1), device)
             lead = torch.broadcast_shapes(m.shape[:2], r.shape[:2])
             if tuple(m.shape[:2]) != tuple(lead):
                 m = m.expand(*lead, rows, pc.span).clone()
             m[:, :, :, off : off + (k1 - k0)] = r
         return m
 
-    def _eval(
-        self,
-        pc: Piece,
-        q0: int,
-        q1: int,
-        krange: tuple[int, int] | None,
-        device: torch.device,
-        rows: int,
-    ) -> Tensor:
-        assert self.mask is not None
-        src = self.mask.tensor
-        p = self.p
-        if src is not None:  # a bool tensor is sliced
-            rs = slice(q0, q1) if src.shape[2] > 1 else slice(None)
-            if src.shape[3] == 1:
-                m = src[:, :, rs, :]
-            elif krange is not None:
-                m = src[:, :, rs, krange[0] : krange[1]]
-            else:
-                m = pc.keys(src[:, :, rs].transpose(2, 3)).transpose(2, 3)  # [b', h', rows, span]
-            width = pc.span if krange is None else krange[1] - krange[0]
-            return m.expand(m.shape[0], m.shape[1], rows, width)
-        if krange is None:
-            ki = pc.key_positions(device).view(1, 1, 1, -1)  # [1, 1, 1, span]
-        else:
-            ki = torch.arange(*krange, device=device).view(1, 1, 1, -1)  # [1, 1, 1, k1-k0]
-        b, h, qi, _ = index_tensors(p.B, p.Hq, (q0, q1), (0, 0), device)
-        shape = (p.B, p.Hq, rows, ki.shape[-1])
-        mod = self.mask.mask_mod
-        m = check_mask_result(mod(b, h, qi, ki), mod, shape)
-        return m.expand(m.shape[0], m.shape[1], rows, ki.shape[-1])
+    def _eval(self, pc: Piece, keys: Axis, device: torch.device) -> Tensor:
+        """The mask on the piece's rows against ``keys``: bool ``[b', h', rows, keys]``."""
+        m = self._mask_at(*self._bh, (pc.q0, pc.q1), keys, device)
+        return m.expand(m.shape[0], m.shape[1], pc.q1 - pc.q0, size(keys))
+
+    @functools.cached_property
+    def _bh(self) -> tuple[Axis, Axis]:
+        """Every batch element and query head: a piece's region spans them all."""
+        return (0, self.p.B), (0, self.p.Hq)
 
     # -- score_mod / bias ----------------------------------------------------------------
 
     def bias_slice(self, pc: Piece) -> Tensor | None:
         """The bias restricted to the piece: ``[Bb, Hb, rows|1, span|1]``."""
-        bias = self.bias
-        if bias is None:
+        if self.bias is None:
             return None
-        if bias.shape[2] > 1:
-            bias = bias[:, :, pc.q0 : pc.q1]
-        if bias.shape[3] > 1:
-            bias = pc.keys(bias.transpose(2, 3)).transpose(2, 3)
-        return bias
+        return take(self.bias, *self._bh, (pc.q0, pc.q1), pc.key_axis())
 
     def apply_score_mod(self, s: Tensor, pc: Piece) -> Tensor:
         """A callable score_mod on the piece's scores ``s [B, Hq, rows, span]``."""
-        p = self.p
-        b, h, qi, _ = index_tensors(p.B, p.Hq, (pc.q0, pc.q1), (0, 0), s.device)
-        ki = pc.key_positions(s.device).view(1, 1, 1, -1)  # [1, 1, 1, span]
         check = self.watch.check if self.watch is not None else None
         if self.watch is not None:
             self.watch.check = None
-        if check is None:
-            out = self.score_mod(s, b, h, qi, ki)
-        else:  # the first call: watch which learnable tensors the output depends on
-            with torch.enable_grad():
-                s_in = s.detach().requires_grad_(True)
-                out = self.score_mod(s_in, b, h, qi, ki)
-            if isinstance(out, Tensor) and check(out, s_in):
-                raise HiddenDependency
-            out = out.detach() if isinstance(out, Tensor) else out
-        out = check_score_result(out, self.score_mod, tuple(s.shape), s.dtype)
+        # The first call watches which learnable tensors the output depends on.
+        call = None if check is None else functools.partial(_watched, self.score_mod, check)
+        out = score_at(self.p.score, s, *self._bh, (pc.q0, pc.q1), pc.key_axis(), call=call)
         return out.expand(s.shape)
 
     def keep_mask(self, pc: Piece, shape: tuple[int, ...], device: torch.device) -> Tensor:
@@ -314,6 +275,20 @@ class Job:
         gen = torch.Generator(device=device)
         gen.manual_seed((self.seed + 1_000_003 * pc.seed) % (1 << 63))
         return torch.rand(shape, generator=gen, device=device) >= self.p.dropout_p
+
+
+def _watched(
+    mod: Callable[..., Any], check: Callable[[Tensor, Tensor], bool], s: Tensor, *idx: Tensor
+) -> Any:
+    """``mod(s, *idx)`` with ``s`` made a leaf that needs a gradient, detached after;
+    :class:`HiddenDependency` when ``check`` finds the output depends on a learnable tensor
+    the engine does not know about."""
+    with torch.enable_grad():
+        s_in = s.detach().requires_grad_(True)
+        out = mod(s_in, *idx)
+    if isinstance(out, Tensor) and check(out, s_in):
+        raise HiddenDependency
+    return out.detach() if isinstance(out, Tensor) else out
 
 
 def fused_ok(p: Problem) -> str | None:

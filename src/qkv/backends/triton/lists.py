@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import check_mask_result
+from ..._evaluate import call_mask_mod
 from ..._kinds import MaskKind
 from ..._tiles import EMPTY, EVAL_BUDGET, PARTIAL
 from ...blockmask import BlockMask, build
@@ -324,8 +324,10 @@ def _bits(
         q = w[:, 2].view(t, 1, 1, 1) * bq + rows.view(1, 1, bq, 1)  # [T, 1, bq, 1]
         k = w[:, 3].view(t, 1, 1, 1) * bk + cols.view(1, 1, 1, bk)  # [T, 1, 1, bk]
         inside = (q < Lq) & (k < Lk)
-        got = m.mask_mod(b, h, q.clamp(max=Lq - 1), k.clamp(max=Lk - 1))
-        allowed = check_mask_result(got, m.mask_mod, (t, 1, bq, bk))
+        # One (b, h, tile) per row of t: scattered tiles, so index tensors rather than a
+        # region; positions past the lengths are clamped to real ones and masked off.
+        qc, kc = q.clamp(max=Lq - 1), k.clamp(max=Lk - 1)
+        allowed = call_mask_mod(m.mask_mod, b, h, qc, kc, (t, 1, bq, bk))
         allowed = (allowed & inside).expand(t, 1, bq, bk).reshape(t, bq, bk // 32, 32)
         words = (allowed.to(torch.int64) << shifts).sum(-1)  # [T, bq, bk // 32] in [0, 2^32)
         words = torch.where(words >= 1 << 31, words - (1 << 32), words)
