@@ -283,3 +283,30 @@ def test_import_qkv_loads_no_model_code() -> None:
     code = "import qkv; print('models' in dir(qkv), type(qkv.models.load).__name__)"
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert got.stdout.split() == ["True", "function"], got.stdout
+
+
+def test_public_signatures_name_what_a_mask_and_a_score_may_be() -> None:
+    """Every public call that takes ``mask=`` or ``score_mod=`` says what it may be
+    (``qkv.typing.MaskLike`` / ``ScoreLike``), not ``object``."""
+    import inspect
+
+    import qkv
+    import qkv.distributed as qd
+
+    calls = [
+        qkv.attention,
+        qkv.plan,
+        qkv.reference.attention,
+        qkv.inspect.weights,
+        qkv.inspect.stats,
+        qkv.MultiHeadAttention.forward,
+        qd.attention,
+        qd.plan,
+    ]
+    wrong = []
+    for fn in calls:
+        params = inspect.signature(fn).parameters
+        for name, want in (("mask", "MaskLike"), ("score_mod", "ScoreLike")):
+            if name in params and params[name].annotation != want:
+                wrong.append(f"{fn.__qualname__}({name}: {params[name].annotation})")
+    assert not wrong, wrong

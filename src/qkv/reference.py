@@ -16,6 +16,7 @@ import torch
 
 from ._dense import apply_score_mod, dense_mask
 from ._problem import Problem, validate
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
@@ -26,9 +27,9 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: object = None,
+    mask: MaskLike = None,
     *,
-    score_mod: object = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention by the plain formula, returning ``(out, weights)``.

@@ -248,7 +248,12 @@ def attention_forward(
     if want_weights:
         assert lse is not None
         w = inspect_weights(
-            query, key, lse=lse.detach(), mask=mask, score_mod=score_mod, scale=scaling
+            query,
+            key,
+            lse=lse.detach(),
+            mask=cast("MaskLike", mask),
+            score_mod=score_mod,
+            scale=scaling,
         )  # [B, Hq, Lq, Lk]
     if s_aux is not None:
         assert lse is not None

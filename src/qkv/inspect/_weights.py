@@ -20,6 +20,7 @@ import torch
 
 from .._evaluate import mask_at, score_at
 from .._problem import Problem, validate
+from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 Index = int | Sequence[int] | Tensor | None
@@ -133,8 +134,8 @@ def weights(
     lse: Tensor,
     rows: Index = None,
     heads: Index = None,
-    mask: object = None,
-    score_mod: object = None,
+    mask: MaskLike = None,
+    score_mod: ScoreLike = None,
     scale: float | None = None,
 ) -> Tensor:
     """Exact attention weights of chosen query rows and heads, rebuilt from the lse.
