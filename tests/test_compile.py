@@ -228,7 +228,7 @@ def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_operator_takes_new_ids_without_recompiling_and_user_mods_still_run():
+def test_the_operator_takes_new_ids_and_user_mask_mods_and_user_score_mods_still_run():
     q, k, v = make_qkv(BIG, gen=9)
     counter = torch._dynamo.testing.CompileCounter()
     f = torch.compile(qkv.attention, fullgraph=True, backend=counter)
@@ -237,12 +237,19 @@ def test_the_operator_takes_new_ids_without_recompiling_and_user_mods_still_run(
         torch.testing.assert_close(f(q, k, v, mask=mask), qkv.attention(q, k, v, mask=mask))
     assert counter.frame_count == 1
 
-    # A user's mask_mod is code, not tensors: it runs eagerly in the engine, with graph breaks.
+    # A user's mask_mod is code: evaluated in the graph into a bool tensor for the operator.
     def near(b, h, qi, ki):
         return ki <= qi + 3
 
+    torch.testing.assert_close(f(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
+
+    # A user's score_mod cannot cross the operator: the engine runs it eagerly, with breaks.
+    def tilt(s, b, h, qi, ki):
+        return s - 0.01 * (qi - ki).abs()
+
     g = torch.compile(qkv.attention, backend="aot_eager")
-    torch.testing.assert_close(g(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
+    want = qkv.attention(q, k, v, mask=qkv.causal, score_mod=tilt)
+    torch.testing.assert_close(g(q, k, v, mask=qkv.causal, score_mod=tilt), want)
 
 
 @pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(48), lambda: qkv.SlidingWindowCache(8)])

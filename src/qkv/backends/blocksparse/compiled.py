@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..._evaluate import mask_at, whole
+from ..._kinds import classify_mask
 from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._problem import Problem
 from ..base import unit_last_stride
@@ -33,14 +35,22 @@ Tensor = torch.Tensor
 __all__ = ["attention", "why_not"]
 
 
+# A user's mask_mod (code) is evaluated in the graph into a bool tensor the operator takes,
+# for problems of up to this many scores (one byte each at most: 256 MiB); beyond, eagerly.
+DENSE_MASK_SCORES = 1 << 28
+
+
 def why_not(p: Problem) -> str | None:
     """Why a call cannot run as the operators (None if it can)."""
     if p.dropout_p > 0:
         return "dropout draws random numbers per call (eager only)"
     if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
         return "an empty problem"
-    if mask_spec(p.mask, []) is None:
-        return f"the mask {p.mask.name} holds a user's mask_mod (code, not tensors)"
+    if mask_spec(p.mask, []) is None and p.B * p.Hq * p.Lq * p.Lk > DENSE_MASK_SCORES:
+        return (
+            f"the mask {p.mask.name} holds a user's mask_mod (code, not tensors), and a dense "
+            f"bool mask of it would pass {DENSE_MASK_SCORES} scores"
+        )
     if score_spec(p.score, []) is None:
         return f"the score_mod {p.score.name} is a user's (code, not tensors)"
     return None
@@ -52,6 +62,11 @@ def attention(p: Problem) -> tuple[Tensor, Tensor]:
     mt: list[Tensor] = []
     st: list[Tensor] = []
     ms, ss = mask_spec(p.mask, mt), score_spec(p.score, st)
+    if ms is None:  # a user's mask_mod: evaluated here, in the graph, into a bool tensor
+        mt = []
+        dense = mask_at(p.mask, *whole(p.shape), p.device)
+        assert dense is not None
+        ms = mask_spec(classify_mask(dense), mt)
     assert ms is not None and ss is not None
     out, lse = torch.ops.qkv.blocksparse(p.q, p.k, p.v, ms, mt, ss, st, p.scale)
     return out, lse.to(p.compute_dtype)
