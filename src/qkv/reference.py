@@ -72,21 +72,17 @@ def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
 
-    # Softmax written out so that all-masked rows give 0 instead of NaN: subtract the row
-    # maximum (treated as a constant, as softmax is invariant to it), exponentiate, normalise.
-    if p.Lk > 0:
-        row_max = scores.amax(dim=-1, keepdim=True).detach()  # [B, Hq, Lq, 1]
-    else:  # no keys at all: every row is fully masked
-        row_max = scores.new_zeros((*scores.shape[:-1], 1))
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    e = torch.exp(scores - row_max)  # [B, Hq, Lq, Lk]
-    denom = e.sum(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
-    # A row that sees no key has denom 0; a NaN score makes denom NaN, which must stay NaN
-    # (weights, out and lse) rather than pass for a fully masked row.
-    dead = denom == 0
-    safe = torch.where(dead, torch.ones_like(denom), denom)
-    weights = e / safe
-    lse = torch.where(dead, torch.full_like(denom, float("-inf")), torch.log(safe) + row_max)
+    # torch's softmax (its backward is the fused P * (dP - sum(P * dP)), fewer roundings than
+    # differentiating exp and sum apart), with rows that see no key given weights 0 and lse
+    # -inf instead of NaN. A NaN score is not such a row: its weights, out and lse stay NaN.
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
+    live = torch.where(dead, torch.zeros_like(scores), scores)
+    weights = torch.where(dead, torch.zeros_like(scores), torch.softmax(live, dim=-1))
+    lse = torch.where(
+        dead,
+        torch.full_like(dead, float("-inf"), dtype=cdt),
+        torch.logsumexp(live, -1, keepdim=True),
+    )
 
     probs = torch.nn.functional.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = probs @ v  # [B, Hq, Lq, Dv]
