@@ -244,6 +244,32 @@ def test_the_operator_takes_new_ids_and_user_mask_mods():
     torch.testing.assert_close(f(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
 
 
+def test_a_user_score_mod_beyond_the_dense_formula_runs_eagerly_behind_one_break():
+    """A score_mod is code and cannot cross the engine's operator: the default compile runs
+    the engine eagerly behind one graph break (gradients into the tensor it closes over
+    included), and fullgraph=True fails saying why."""
+    q, k, v = make_qkv(BIG, gen=11)
+    t = torch.rand(BIG.Hq, generator=torch.Generator().manual_seed(11)).requires_grad_()
+
+    def tilt(s, b, h, qi, ki):
+        return s - 0.01 * t[h] * (qi - ki).abs()
+
+    def run(fn):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, mask=qkv.causal, score_mod=tilt)
+        return [out, *torch.autograd.grad(out.sum(), [*leaves, t])]
+
+    want = run(qkv.attention)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for a, b in zip(run(torch.compile(qkv.attention, backend=counter)), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2, counter.frame_count  # around the one break
+    torch._dynamo.reset()
+    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="score_mod \\(code\\) beyond 2\\^20 scores"):
+        f(q, k, v, mask=qkv.causal, score_mod=tilt)
+
+
 @pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(48), lambda: qkv.SlidingWindowCache(8)])
 def test_decoding_with_a_cache_compiles_fullgraph(make_cache):
     """A prefill and 32 single-token steps: the compiled module equals eager, and the steps

@@ -19,10 +19,11 @@ tiles run with no masking; partial tiles evaluate the mask for themselves only.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
-from ..._problem import Problem
+from ..._problem import Problem, validate
 from ..._tiles import DEFAULT_BLOCK
 from ..base import Backend, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, compiled, schedule
@@ -60,14 +61,19 @@ class BlocksparseBackend(Backend):
         )
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
-        if torch.compiler.is_compiling() and compiled.why_not(p) is None:
+        if torch.compiler.is_compiling():
             # Its planning reads tensor values: while dynamo traces, the engine runs whole
-            # as a custom operator, planned when the graph runs.
+            # as a custom operator, planned when the graph runs; what cannot cross one
+            # runs eagerly behind a single graph break.
+            why = compiled.why_not(p)
             return Route(
                 forward="the block-sparse engine as one operator (qkv::blocksparse; its tiles "
-                "planned when the compiled graph runs)",
+                "planned when the compiled graph runs)"
+                if why is None
+                else f"the block-sparse engine, eagerly behind one graph break ({why})",
                 backward="qkv::blocksparse_backward (the engine's recomputing backward)",
                 extra_memory=_extra_memory(p),
+                detail=None if why is None else _EAGER,
             )
         job = make_job(p, dry_run=dry_run)
         fwd, bwd = describe(job)
@@ -101,12 +107,17 @@ class BlocksparseBackend(Backend):
         )
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        return None if route.detail is None else _band_runner(p, route.detail)
+        if route.detail is None or route.detail is _EAGER:
+            return None
+        return _band_runner(p, route.detail)
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         if route.detail is None:  # the operators (while dynamo traces)
             out, lse = compiled.attention(p)
             return out, (lse if p.return_lse else None)
+        if route.detail is _EAGER:  # (while dynamo traces)
+            m, s = p.mask.source, p.score.source
+            return _eagerly(p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
@@ -140,6 +151,32 @@ class BlocksparseBackend(Backend):
             job = make_job(p, matmul=True).for_run(seed=seed)
             out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
         return _maybe_lse(p, (out, lse))
+
+
+_EAGER = "eager"  # Route.detail of a call that runs the engine eagerly under torch.compile
+
+
+@torch.compiler.disable(
+    reason="qkv: this call runs its block-sparse engine eagerly: a user's score_mod (code) "
+    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout). "
+    "fullgraph=True needs a built-in score (a bias tensor, qkv.alibi, qkv.softcap, "
+    "qkv.relative_bias) or B*Hq*Lq*Lk <= 2^20"
+)
+def _eagerly(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: object,
+    score_mod: object,
+    scale: float,
+    dropout_p: float,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The engine's eager path, behind one graph break (dynamo does not trace into it)."""
+    p = validate(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p)
+    p = replace(p, return_lse=return_lse)
+    backend = BlocksparseBackend()
+    return backend.run(p, backend.route(p))
 
 
 def _band_runner(p: Problem, job: Job) -> Runner | None:
