@@ -3,9 +3,9 @@
 :func:`classify_mask` turns whatever was passed as ``mask=`` into one :class:`MaskKind` and
 :func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. Every later layer
 (tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
-and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, this is the only
-module that knows the built-in masks' and scores' classes (qkv._plain recognises a band by its
-class too, to key its cache on it).
+and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, the built-in
+classes are known here, in :mod:`qkv._kindspec` (which rebuilds kinds from specs) and in
+:mod:`qkv._plain` (which keys its cache on a band, a document or a padding mask).
 
 Combinations of built-ins are simplified to the kind they are, so that they reach the same
 kernels as the mask they equal::
