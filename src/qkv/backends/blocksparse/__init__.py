@@ -19,11 +19,10 @@ tiles run with no masking; partial tiles evaluate the mask for themselves only.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch
 
-from ..._problem import Problem, validate
+from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
 from ..base import Backend, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, compiled, schedule
@@ -116,8 +115,12 @@ class BlocksparseBackend(Backend):
             out, lse = compiled.attention(p)
             return out, (lse if p.return_lse else None)
         if route.detail is _EAGER:  # (while dynamo traces)
+            # (imported here: torch.compiler.disable imports dynamo, which must not happen
+            # when qkv is imported; here dynamo is tracing, so it is loaded already)
+            from .eager import eagerly
+
             m, s = p.mask.source, p.score.source
-            return _eagerly(p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
+            return eagerly(self, p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
         job: Job = route.detail
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
@@ -154,29 +157,6 @@ class BlocksparseBackend(Backend):
 
 
 _EAGER = "eager"  # Route.detail of a call that runs the engine eagerly under torch.compile
-
-
-@torch.compiler.disable(
-    reason="qkv: this call runs its block-sparse engine eagerly: a user's score_mod (code) "
-    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout). "
-    "fullgraph=True needs a built-in score (a bias tensor, qkv.alibi, qkv.softcap, "
-    "qkv.relative_bias) or B*Hq*Lq*Lk <= 2^20"
-)
-def _eagerly(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: object,
-    score_mod: object,
-    scale: float,
-    dropout_p: float,
-    return_lse: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """The engine's eager path, behind one graph break (dynamo does not trace into it)."""
-    p = validate(q, k, v, mask=mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p)
-    p = replace(p, return_lse=return_lse)
-    backend = BlocksparseBackend()
-    return backend.run(p, backend.route(p))
 
 
 def _band_runner(p: Problem, job: Job) -> Runner | None:
