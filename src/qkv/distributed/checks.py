@@ -173,11 +173,7 @@ def agree(
     ]
     names, vals = _slots(list(content))
     mine += vals
-    dev = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor(mine, dtype=torch.int64, device=dev)
-    out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
-    gather_into(out, t, group=group)
-    table = out.view(W, len(mine)).cpu().tolist()  # [W, fields + SLOTS]
+    table = _gather_table(group, W, mine, q.device)  # [W, fields + SLOTS]
     if local_error is not None:
         raise local_error
     failed = [r for r in range(W) if table[r][1]]
@@ -220,6 +216,17 @@ def agree(
     return Layout(layout, W, L)
 
 
+def _gather_table(group: Any, W: int, mine: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``mine`` (int64 fields), one all_gather: ``[W, len(mine)]``. On the
+    device for NCCL, which gathers only there; on the CPU for gloo."""
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor(mine, dtype=torch.int64, device=dev)
+    out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
+    gather_into(out, t, group=group)
+    table: list[list[int]] = out.view(W, len(mine)).cpu().tolist()
+    return table
+
+
 def _by_rank(vals: list[int], rank: int) -> str:
     """``rank 0 has checksum 0x..., rank 1 has 0x... (ranks [1] differ from this one)``."""
     who = [r for r in range(len(vals)) if vals[r] != vals[rank]]
@@ -242,11 +249,7 @@ def agree_probes(
     (:func:`qkv.distributed.content.probe`); raise on every rank if they differ, or if a rank
     could not build the global problem or probe it (its own error there)."""
     mine = [int(local_error is not None), probes[0] & _MASK63, probes[1] & _MASK63]
-    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor(mine, dtype=torch.int64, device=dev)
-    out = torch.empty(W * len(mine), dtype=torch.int64, device=dev)
-    gather_into(out, t, group=group)
-    table = out.view(W, len(mine)).cpu().tolist()  # [W, 3]
+    table = _gather_table(group, W, mine, device)  # [W, 3]
     if local_error is not None:
         raise local_error
     failed = [r for r in range(W) if table[r][0]]
