@@ -22,7 +22,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import qkv
-from catalogue import Shape, make_qkv
+from catalogue import LAYOUTS, Shape, lay_out, make_qkv
 from qkv_testing import plain_attention
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-inductor-"))
@@ -226,6 +226,27 @@ def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name:
         assert "qkv.blocksparse" in ops, sorted(ops)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_operator_takes_any_memory_layout_and_passes_a_nan_on(layout: str):
+    """q, k, v strided, transposed, permuted, offset or expanded reach the operator as they
+    are: output and gradients equal eager's; a NaN in a query row makes that row NaN."""
+    q, k, v = make_qkv(BIG, gen=12)
+    mask = qkv.document(torch.arange(BIG.Lq) * 3 // BIG.Lq)
+    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+
+    def run(fn, a):
+        leaves = [lay_out(x.detach(), layout).requires_grad_() for x in (a, k, v)]
+        out = fn(*leaves, mask=mask)
+        return [out, *torch.autograd.grad(out.sum(), leaves)]
+
+    for a, b in zip(run(f, q), run(qkv.attention, q), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    bad = q.clone()
+    bad[0, :, 300] = float("nan")  # every head (an expanded layout keeps one head's values)
+    out = f(lay_out(bad, layout), lay_out(k, layout), lay_out(v, layout), mask=mask)
+    assert out[0, :, 300].isnan().all() and torch.isfinite(out[0, :, :300]).all()
 
 
 def test_the_operator_takes_new_ids_and_user_mask_mods():
