@@ -69,7 +69,7 @@ class StepGuard:
         try:
             yield
         finally:
-            self._busy.release()
+            self._end_step()
 
     def _refuse(self, what: str) -> None:
         name, holder, me = type(self).__name__, self._stepper, get_ident()

@@ -113,7 +113,7 @@ class _Cache(StepGuard):
             if owner is None:  # unowned (new, reset, loaded alone, or its layer is gone): adopt
                 self._owner = weakref.ref(layer)
         except BaseException:
-            self._busy.release()
+            self._end_step()  # (stands aside under torch.compile, as _enter does)
             raise
 
     def _check_room(self, Lq: int) -> None:
