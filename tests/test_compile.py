@@ -289,6 +289,11 @@ def test_a_user_score_mod_beyond_the_dense_formula_runs_eagerly_behind_one_break
     f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="score_mod \\(code\\) beyond 2\\^20 scores"):
         f(q, k, v, mask=qkv.causal, score_mod=tilt)
+    # qkv.plan (eager) says so beforehand, naming the mod; a built-in score compiles whole.
+    notes = qkv.plan(q, k, v, mask=qkv.causal, score_mod=tilt).notes
+    assert [n for n in notes if "under torch.compile" in n and "tilt" in n], notes
+    notes = qkv.plan(q, k, v, mask=qkv.causal, score_mod=qkv.alibi(qkv.alibi_slopes(BIG.Hq))).notes
+    assert not [n for n in notes if "under torch.compile" in n], notes
 
 
 @pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(48), lambda: qkv.SlidingWindowCache(8)])

@@ -24,7 +24,7 @@ import torch
 
 from ..._problem import Problem
 from ..._tiles import DEFAULT_BLOCK
-from ..base import Backend, Route, Runner, no_keys_result, unit_last_stride
+from ..base import SMALL_DENSE, Backend, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, compiled, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
@@ -91,6 +91,11 @@ class BlocksparseBackend(Backend):
             notes.append(
                 "a score_mod that reaches a learnable tensor the engine cannot find falls "
                 "back to checkpointed per-block autograd (exact, slower)"
+            )
+        if dry_run and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE and (why := compiled.why_not(p)):
+            notes.append(
+                f"under torch.compile this call cannot be one graph ({why}): the engine runs "
+                "eagerly behind one graph break, and fullgraph=True refuses it"
             )
         # The tile plan shown: the job's own, or (for routes that need none) the default one.
         block = job.block
