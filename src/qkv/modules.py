@@ -15,6 +15,7 @@ from torch import nn
 from . import _recording, _torch_mha, inspect
 from ._cache_state import LayerKey
 from .cache import KVCache, SlidingWindowCache
+from .cross_cache import CrossKVCache
 from .functional import attention
 from .rope import RotaryEmbedding
 from .typing import MaskLike, ScoreLike
@@ -237,7 +238,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         *,
         mask: MaskLike = None,
         score_mod: ScoreLike = None,
-        cache: KVCache | SlidingWindowCache | None = None,
+        cache: KVCache | SlidingWindowCache | CrossKVCache | None = None,
         need_weights: bool = False,
         context_parallel: object = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
@@ -253,7 +254,8 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
             cache: a :class:`qkv.KVCache` or :class:`qkv.SlidingWindowCache` for incremental
                 self-attention decoding: the new keys/values are appended and the queries
                 attend to everything cached. Masks and score_mods then see *absolute*
-                positions (see :class:`qkv.KVCache`).
+                positions (see :class:`qkv.KVCache`). For cross-attention, a
+                :class:`qkv.cross_cache.CrossKVCache` projects the context once and reuses it.
             need_weights: also return the attention weights ``[B, H, Lq, Lk]``: the softmax
                 probabilities, rebuilt exactly from the lse of the same :func:`qkv.attention`
                 call (:func:`qkv.inspect.weights`), so the fast backend still computes the
@@ -269,6 +271,8 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         Returns:
             ``out [B, Lq, d_model]`` (``[Lq, d_model]`` unbatched), or ``(out, weights)``.
         """
+        if isinstance(cache, CrossKVCache):  # the same context every step: projected once
+            return cache._attend(self, x_q, x_kv, mask, score_mod, need_weights)
         xq, xk, xv = self._check_inputs(x_q, x_kv)
         if not isinstance(need_weights, bool):
             raise TypeError(f"need_weights must be True or False, got {type(need_weights)}")
@@ -286,9 +290,8 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         if cache is not None:
             if x_kv is not None:
                 raise ValueError(
-                    "a KV cache is for self-attention decoding (x_kv=None); for "
-                    "cross-attention the context is fixed, so project it once and pass the "
-                    "same x_kv every step"
+                    "a KV cache is for self-attention decoding (x_kv=None); for cross-attention "
+                    "pass a qkv.cross_cache.CrossKVCache (the context projected once)"
                 )
             w = self.k_proj.weight
             # The cache is this step's alone until _end_step below (others are refused).
@@ -341,10 +344,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
         if unbatched:
             out = out[0]  # [Lq, d_model]
             weights = weights[0] if weights is not None else None  # [H, Lq, Lk]
-        if need_weights:
-            assert weights is not None
-            return out, weights
-        return out
+        return (out, weights) if weights is not None else out  # weights iff need_weights
 
     # ------------------------------------------------------------------ torch interoperation
 
