@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv._checks import index_tensors
+from qkv._evaluate import grid
 from qkv._kinds import MASK_KINDS, band, classify_mask, classify_score  # the unit under test
 from qkv._positions import mask_at  # the KV-cache shift, tested on purpose
 
@@ -16,7 +16,7 @@ L = 40
 
 
 def _grid(mod: object) -> torch.Tensor:
-    b, h, qi, ki = index_tensors(2, 3, (0, L), (0, L + 5), torch.device("cpu"))
+    b, h, qi, ki = grid((0, 2), (0, 3), (0, L), (0, L + 5), torch.device("cpu"))
     return mod(b, h, qi, ki).expand(2, 3, L, L + 5)  # type: ignore[operator]
 
 

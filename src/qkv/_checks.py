@@ -19,17 +19,6 @@ Tensor = torch.Tensor
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def index_tensors(
-    B: int, H: int, q_range: tuple[int, int], kv_range: tuple[int, int], device: torch.device
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Broadcastable int64 index tensors for ``[B, H, q_range, kv_range]``."""
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)  # [B, 1, 1, 1]
-    h = torch.arange(H, device=device).view(1, H, 1, 1)  # [1, H, 1, 1]
-    qi = torch.arange(*q_range, device=device).view(1, 1, -1, 1)  # [1, 1, Lq, 1]
-    ki = torch.arange(*kv_range, device=device).view(1, 1, 1, -1)  # [1, 1, 1, Lk]
-    return b, h, qi, ki
-
-
 def callable_name(obj: Any) -> str:
     """How messages and plans name a mask_mod or score_mod: qkv's own objects by their repr
     (``qkv.sliding_window(4)``), functions by ``__name__``, other callables by their type."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._checks import index_tensors
+from ._evaluate import grid
 from ._flexcompat import ModCall, _is_qkv, _items, _probe, vmap_grid
 
 Tensor = torch.Tensor
@@ -60,7 +60,7 @@ def _typical_cost(kind: str, device: torch.device) -> tuple[float, float]:
     key = (kind, str(device))
     if key not in _typical:
         t = torch.rand(_TILE, _TILE, device=device)
-        args = _args(kind, index_tensors(1, 1, (0, _TILE), (0, _TILE), device), t.dtype)
+        args = _args(kind, grid((0, 1), (0, 1), (0, _TILE), (0, _TILE), device), t.dtype)
         if kind == "mask_mod":
             fn: Callable[..., Tensor] = lambda b, h, q, k: t[q, k] > 0.5  # noqa: E731
         else:
@@ -86,7 +86,7 @@ def plan_notes(p: Any) -> list[str]:
             if w.why is None:
                 continue
             r, c = min(p.Lq, _TILE), min(p.Lk, _TILE)
-            args = _args(w.kind, index_tensors(1, 1, (0, r), (0, c), p.device), p.compute_dtype)
+            args = _args(w.kind, grid((0, 1), (0, 1), (0, r), (0, c), p.device), p.compute_dtype)
             own = _seconds(functools.partial(w, *args), p.device)
         tv, tb = _typical_cost(w.kind, p.device)
         notes.append(

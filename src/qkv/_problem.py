@@ -18,8 +18,8 @@ from ._checks import (
     check_mask_tensor,
     check_qkv,
     check_scale,
-    index_tensors,
 )
+from ._evaluate import grid
 from ._flexblockmask import from_flex_block_mask
 from ._flexcompat import adopt_mask, adopt_score_mod, is_flex_block_mask
 from ._kinds import MaskKind, ScoreKind, classify_mask, classify_score
@@ -121,9 +121,8 @@ class Problem:
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Broadcastable int64 ``b [B,1,1,1]``, ``h [1,Hq,1,1]``, ``q_idx [1,1,Lq,1]``,
         ``kv_idx [1,1,1,Lk]`` (or the given sub-ranges), as mask_mods and score_mods get them."""
-        return index_tensors(
-            self.B, self.Hq, q_range or (0, self.Lq), kv_range or (0, self.Lk), self.device
-        )
+        q, kv = q_range or (0, self.Lq), kv_range or (0, self.Lk)
+        return grid((0, self.B), (0, self.Hq), q, kv, self.device)
 
 
 def mask_kind(mask: object) -> MaskKind:
