@@ -87,7 +87,8 @@ sees keys ``0..i`` whatever the lengths. For ``Lq=3, Lk=5`` (rows are queries)::
     1 1 1 0 0
 
 For decoding with a KV cache, where queries are the *last* ``Lq`` positions of ``Lk``, shift the
-query index (``qkv.MultiHeadAttention`` does that for you).
+query index (``qkv.MultiHeadAttention`` does that for you). Called with ``q_idx [1, 1, Lq, 1]``
+and ``kv_idx [1, 1, 1, Lk]`` it gives a bool ``[1, 1, Lq, Lk]``.
 """
 
 
@@ -104,6 +105,9 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
         0 0 1 1 1
 
     ``sliding_window(1, 1)`` is a symmetric band of width 3.
+
+    Returns a mask_mod: called with ``q_idx [1, 1, Lq, 1]`` and ``kv_idx [1, 1, 1, Lk]`` (see
+    :data:`qkv.typing.MaskMod`) it gives a bool tensor broadcastable to ``[B, H, Lq, Lk]``.
     """
     for name, val in (("left", left), ("right", right)):
         if isinstance(val, bool) or not isinstance(val, int):
@@ -170,6 +174,12 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
     batch 1 is ``1 1 1 1 1``; with ``start = [2, 0]`` batch 0 is ``0 0 1 1 1``. A length of 0
     masks every key: those rows give output 0. The planner skips the key blocks outside each
     row's range without evaluating any position.
+
+    Args:
+        lengths: ``[B]`` integer tensor, valid keys per batch element.
+        start: ``[B]`` integer tensor or ``None`` (0), the first valid key of each.
+
+    Returns a mask_mod giving a bool ``[B, 1, 1, Lk]`` (broadcast over heads and queries).
     """
     _check_counts("padding lengths", lengths)
     if start is None:
@@ -248,6 +258,11 @@ def document(ids: Tensor) -> MaskMod:
         0 0 1 1 1
 
     Combine with causal for packed causal training: ``and_masks(causal, document(ids))``.
+
+    Args:
+        ids: ``[L]`` integer tensor with ``L >= max(Lq, Lk)``.
+
+    Returns a mask_mod giving a bool ``[1, 1, Lq, Lk]``.
     """
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"document ids must be a 1-D tensor, got {type(ids).__name__}")
@@ -269,6 +284,9 @@ def prefix_lm(n: int) -> MaskMod:
         1 1 0 0
         1 1 1 0
         1 1 1 1
+
+    Returns a mask_mod: called with ``q_idx [1, 1, Lq, 1]`` and ``kv_idx [1, 1, 1, Lk]`` (see
+    :data:`qkv.typing.MaskMod`) it gives a bool tensor broadcastable to ``[B, H, Lq, Lk]``.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"prefix_lm length must be an int, got {type(n).__name__}")
@@ -335,14 +353,22 @@ def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where *every* mask_mod allows: ``and_masks(causal, document(ids))``."""
+    """Attend where *every* mask_mod allows: ``and_masks(causal, document(ids))``.
+
+    The result is a mask_mod whose bool result is the ``&`` of theirs, broadcast to
+    ``[B, H, Lq, Lk]`` (each mod's may be any broadcastable shape).
+    """
     _check_mods("and_masks", mods)
     name = "qkv.and_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
     return _And(mods, name)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
-    """Attend where *any* mask_mod allows: ``or_masks(sliding_window(64), global_tokens)``."""
+    """Attend where *any* mask_mod allows: ``or_masks(sliding_window(64), global_tokens)``.
+
+    The result is a mask_mod whose bool result is the ``|`` of theirs, broadcast to
+    ``[B, H, Lq, Lk]`` (each mod's may be any broadcastable shape).
+    """
     _check_mods("or_masks", mods)
     name = "qkv.or_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
     return _Or(mods, name)

@@ -62,7 +62,7 @@ class _Alibi(_BuiltinScore):
 def alibi(slopes: Tensor) -> ScoreMod:
     """ALiBi (Press et al., 2022): ``score + slopes[h] * (kv_idx - q_idx)``.
 
-    ``slopes`` is a 1-D float tensor with one slope per query head (learnable if it requires
+    ``slopes`` is a ``[H]`` float tensor, one slope per query head (learnable if it requires
     grad). With causal masking, keys further in the past get a linearly growing penalty; for
     ``slopes[h] = 0.5`` query 3's bias over keys 0..3 is ``-1.5 -1.0 -0.5 0``.
     :func:`alibi_slopes` gives the paper's geometric slopes.
@@ -81,7 +81,10 @@ def alibi(slopes: Tensor) -> ScoreMod:
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
-    """The ALiBi paper's slopes ``2^(-8i/n)`` for ``i = 1..n`` (interleaved for non powers of 2)."""
+    """The ALiBi paper's slopes ``2^(-8i/n)`` for ``i = 1..n`` (interleaved for non powers of 2).
+
+    Returns a float32 ``[n_heads]`` tensor, one slope per head, for :func:`qkv.alibi`.
+    """
     if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
         raise ValueError(f"alibi_slopes needs a positive number of heads, got {n_heads!r}")
 
@@ -113,6 +116,7 @@ def softcap(cap: float) -> ScoreMod:
     """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``.
 
     Keeps every score inside ``(-cap, cap)`` while leaving small scores almost unchanged.
+    Elementwise: the score_mod maps scores ``[B, H, Lq, Lk]`` to the same shape.
     """
     if isinstance(cap, bool) or not isinstance(cap, (int, float)):
         raise TypeError(f"softcap cap must be a number, got {type(cap).__name__}")
