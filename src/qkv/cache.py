@@ -242,7 +242,8 @@ class SlidingWindowCache(_Cache):
     A single new token is written in place into slot ``position % window`` (no copy); a
     chunk of several tokens attends to the cached keys plus the chunk, then keeps its last
     ``window`` keys. Mask and bias *tensors* are refused (their key columns would refer to
-    ring slots); use a mask_mod / score_mod.
+    ring slots); use a mask_mod / score_mod. The buffers hold keys ``[B, Hkv, window, D]``
+    and values ``[B, Hkv, window, Dv]``.
 
     Args:
         window: keys each query sees, itself included (>= 1).

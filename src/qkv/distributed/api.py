@@ -271,7 +271,7 @@ def shard(x: Tensor, group: Any = None, layout: str = "zigzag", *, dim: int = 2)
 def unshard(x: Tensor, group: Any = None, layout: str = "zigzag", *, dim: int = 2) -> Tensor:
     """The full tensor from every rank's rows (the inverse of :func:`shard`), on every rank:
     one ``all_gather`` (shards padded to one length). Not differentiable (for outputs and
-    inspection)."""
+    inspection). ``[B, H, L_local, D]`` → ``[B, H, L, D]`` (the sequence along ``dim``)."""
     rank, W = checks.check_group(group)
     if not isinstance(x, Tensor):
         raise TypeError(f"qd.unshard takes a tensor, got {type(x).__name__}")

@@ -24,6 +24,8 @@ import torch
 Tensor = torch.Tensor
 
 LAYOUTS = ("zigzag", "contiguous")
+"""The layouts ``layout=`` takes: ``"zigzag"`` (rank ``r`` holds chunks ``r`` and ``2W-1-r`` of
+``2W``, which balances causal work) and ``"contiguous"`` (chunk ``r`` of ``W``)."""
 
 
 def check_layout(layout: object) -> str:
@@ -38,7 +40,8 @@ class Layout:
 
     ``chunks(r)`` are rank ``r``'s chunk ids, ``bounds(i)`` chunk ``i``'s ``[start, stop)``,
     ``positions(r)`` the global positions of rank ``r``'s rows (in its local order) and
-    ``lengths`` every rank's row count.
+    ``lengths`` every rank's row count. ``take(x, r)`` cuts rank ``r``'s rows out of a full
+    ``[B, H, L, D]`` tensor (``[B, H, L_local, D]``); ``assemble`` puts them back.
     """
 
     kind: str

@@ -24,7 +24,8 @@ __all__ = ["TextEncoder", "Tokens"]
 
 
 class Tokens(NamedTuple):
-    """One tokenized text, as :meth:`TextEncoder.tokenize` returns it."""
+    """One tokenized text, as :meth:`TextEncoder.tokenize` returns it: ``tokens`` (L strings),
+    ``input_ids [1, L]``, ``attention_mask [1, L]`` and ``offsets`` (L character spans)."""
 
     tokens: list[str]  # L token strings, specials included: ["[CLS]", "the", ..., "[SEP]"]
     input_ids: Tensor  # [1, L] int64
@@ -48,7 +49,9 @@ class TextEncoder(nn.Module):
     - ``path``: the checkpoint folder.
 
     Calling the model, ``model(input_ids, lengths=...)``, runs the encoder (see
-    :meth:`BertEncoder.forward`).
+    :meth:`BertEncoder.forward`): ``input_ids [B, L]`` → ``hidden [B, L, d_model]`` and more.
+    ``encode(texts)`` gives ``[N, dim]`` sentence embeddings; ``attention_maps(text)`` gives
+    ``(tokens, weights [layers, heads, L, L])``.
     """
 
     def __init__(

@@ -39,7 +39,9 @@ def _activation(name: str) -> nn.Module:
 
 
 class EncoderOutput(NamedTuple):
-    """What :meth:`BertEncoder.forward` returns."""
+    """What :meth:`BertEncoder.forward` returns: ``hidden [B, L, d]``, ``hidden_states``
+    (``n_layers + 1`` of ``[B, L, d]``, or ``None``) and ``attentions`` (``n_layers`` of
+    ``[B, H, L, L]``, or ``None``)."""
 
     hidden: Tensor  # [B, L, d] the last layer's token vectors
     hidden_states: tuple[Tensor, ...] | None  # n_layers + 1 of [B, L, d]: embeddings, each layer
@@ -78,7 +80,8 @@ class BertEmbeddings(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One post-norm encoder block; ``attention`` is a :class:`qkv.MultiHeadAttention`."""
+    """One post-norm encoder block; ``attention`` is a :class:`qkv.MultiHeadAttention`.
+    ``x [B, L, d]`` → ``(x [B, L, d], weights [B, H, L, L] or None)``."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()

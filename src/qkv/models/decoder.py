@@ -63,6 +63,9 @@ class TextDecoder(nn.Module):
     and ``linear_path`` (:class:`~qkv.models.quantized.LinearPath`: whether the weight
     matrices multiply few-row inputs from the GGUF file's blocks with qkv's compiled kernel,
     or everything runs ``F.linear`` on float32 weights, and why; also in the repr).
+
+    Calling the model, ``model(input_ids [B, L])``, gives logits ``[B, L, vocab]``;
+    ``attention_maps(text)`` gives ``(tokens, weights [layers, heads, L, L])``.
     """
 
     causal = True  # a token attends to itself and earlier tokens only

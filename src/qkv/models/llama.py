@@ -32,14 +32,17 @@ __all__ = ["DecoderOutput", "LlamaDecoder", "LlamaLayer"]
 
 
 class DecoderOutput(NamedTuple):
-    """What :meth:`LlamaDecoder.forward` returns."""
+    """What :meth:`LlamaDecoder.forward` returns: ``logits [B, L, vocab]`` (``[B, 1, vocab]``
+    with ``last_only=True``) and ``attentions`` (``n_layers`` of ``[B, H, L, Lk]``, or
+    ``None``)."""
 
     logits: Tensor  # [B, L, vocab] (or [B, 1, vocab] with last_only=True), float
     attentions: tuple[Tensor, ...] | None  # n_layers of [B, H, L, Lk] attention weights
 
 
 class LlamaLayer(nn.Module):
-    """One pre-norm decoder block; ``attention`` is a :class:`qkv.MultiHeadAttention`."""
+    """One pre-norm decoder block; ``attention`` is a :class:`qkv.MultiHeadAttention`.
+    ``x [B, L, d]`` → ``(x [B, L, d], weights [B, H, L, Lk] or None)``."""
 
     def __init__(self, config: LlamaConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
