@@ -68,7 +68,7 @@ def attention(p: Problem) -> tuple[Tensor, Tensor]:
         assert dense is not None
         ms = mask_spec(classify_mask(dense), mt)
     assert ms is not None and ss is not None
-    out, lse = torch.ops.qkv.blocksparse(p.q, p.k, p.v, ms, mt, ss, st, p.scale)
+    out, lse = torch.ops.qkv.blocksparse(p.q, p.k, p.v, ms, mt, ss, st, p.scale, p.return_lse)
     return out, lse.to(p.compute_dtype)
 
 
@@ -105,8 +105,10 @@ def _forward_op(
     score_spec: str,
     score_tensors: list[Tensor],
     scale: float,
+    lse_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] float64)``."""
+    """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] float64)``; ``lse_grad``: whether
+    a gradient may flow back through ``lse`` (the caller returns it)."""
     job = make_job(_problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale))
     with torch.no_grad():
         return forward(job, *_dense_last(job.fused, q, k, v))
@@ -126,7 +128,7 @@ def _backward_op(
     out: Tensor,
     lse: Tensor,
     dout: Tensor,
-    dlse: Tensor,
+    dlse: Tensor | None,
     mask_spec: str,
     mask_tensors: list[Tensor],
     score_spec: str,
@@ -153,9 +155,9 @@ def _backward_op(
         bias_need = p.score.bias is not None and p.score.bias.requires_grad
         need_all = [*need[:3], bias_need, *(t.requires_grad for t in params)]
         qq, kk, vv = _dense_last(job.fused, q, k, v)
-        # Autograd hands the operator zeros where nothing flowed into lse (the usual case):
-        # the engine's backward then skips that term, as in eager.
-        d_lse = dlse if bool(dlse.any()) else None
+        # Autograd hands the operator zeros where nothing flowed into a returned lse: the
+        # engine's backward then skips that term, as in eager.
+        d_lse = dlse if dlse is not None and bool(dlse.any()) else None
         g = backward(job, qq, kk, vv, out, lse, dout, d_lse, need_all)
     by_id = {id(t): d for t, d in zip(params, g.dparams, strict=True)}
     grads = [
@@ -182,13 +184,16 @@ def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> list[Tensor]:
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, ms, mt, ss, st, scale = inputs
+    q, k, v, ms, mt, ss, st, scale, lse_grad = inputs
+    if not lse_grad:  # lse stays inside qkv: no gradient to materialise (or to zero-fill)
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, *output, *mt, *st)
     ctx.meta = (ms, len(mt), ss, scale)
     ctx.need = [t.requires_grad for t in (q, k, v, *st)]
 
 
-def _backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Any, ...]:
+def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
     ms, n_mask, ss, scale = ctx.meta
     q, k, v, out, lse, *rest = ctx.saved_tensors
     mt, st = rest[:n_mask], rest[n_mask:]
@@ -196,7 +201,7 @@ def _backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse, dout, dlse, ms, mt, ss, st, scale, ctx.need
     )
     dq, dk, dv, *ds = (g if n else None for g, n in zip(grads, ctx.need, strict=True))
-    return dq, dk, dv, None, [None] * n_mask, None, ds, None
+    return dq, dk, dv, None, [None] * n_mask, None, ds, None, None
 
 
 torch.library.register_autograd("qkv::blocksparse", _backward, setup_context=_setup)
