@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("explain", "what a token attends to in a real model, layer by layer"),
     "generate": ("generate", "stream text from a real decoder on qkv (SmolLM2-135M by default)"),
+    "transcribe": ("transcribe", "speech to text with Whisper on qkv, word times with --words"),
     "walkthrough": ("walkthrough", "the formula step by step on a tiny example"),
     "plan": ("plan", "which backend qkv.attention would run for a shape and mask, and why"),
     "bench": ("bench", "time qkv against torch SDPA (and FlexAttention) over lengths and masks"),

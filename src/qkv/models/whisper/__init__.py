@@ -14,6 +14,7 @@ needed); WAV files need ``scipy`` (``pip install 'qkv[audio]'``).
 """
 
 from ._align import Word
+from ._audio import read_wav
 from ._load import is_whisper_folder, load_ct2
 from .model import DecoderLayer, EncoderLayer, WhisperConfig, WhisperDecoder, WhisperEncoder
 from .recognizer import SpeechRecognizer, Transcription
@@ -29,4 +30,5 @@ __all__ = [
     "Word",
     "is_whisper_folder",
     "load_ct2",
+    "read_wav",
 ]

