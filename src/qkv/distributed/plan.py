@@ -80,6 +80,9 @@ class Step:
 
 @dataclass(frozen=True)
 class RankPlan:
+    """One rank's part of a :class:`Plan`: its ``rows``, its ``steps`` in order, the bytes it
+    sends and receives forward and backward, and its forward ``flops``."""
+
     rank: int
     rows: int
     steps: tuple[Step, ...]
