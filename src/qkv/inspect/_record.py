@@ -101,7 +101,8 @@ class Recording:
 
     ``rec[i]`` is the i-th capture; ``rec["encoder.layers.3.attn"]`` the last capture of that
     layer; ``rec.layers`` the layer names in first-call order; ``len(rec)`` and iteration
-    follow the call order.
+    follow the call order. Each :class:`Capture` rebuilds its call's weights,
+    ``rec[i].weights(rows=...)`` → ``[B, Hq, rows, Lk]``.
     """
 
     def __init__(
