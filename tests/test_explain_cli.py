@@ -212,10 +212,11 @@ def test_png_renderer_layouts(tmp_path: Path, layer: int | None, head: int | Non
     assert (img[..., :3] < 0.9).any(-1).mean() > 0.02  # not blank
 
 
-def test_readme_sample_is_real_output() -> None:
-    """Every line of the README's sample (but the "..." elision) is in the real output."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("## The main job: `qkv explain`") :]
+def test_documented_sample_is_real_output() -> None:
+    """Every line of the inspection guide's sample (but the "..." elision) is in the real
+    output."""
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "inspect.md").read_text("utf-8")
+    section = guide[guide.index("## The main job: `qkv explain`") :]
     sample = re.search(r"```\n(Model:.*?)```", section, flags=re.DOTALL)
     assert sample is not None
     r = subprocess.run(
