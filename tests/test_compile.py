@@ -265,10 +265,11 @@ def test_the_operator_takes_new_ids_and_user_mask_mods():
     torch.testing.assert_close(f(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
 
 
-def test_a_user_score_mod_beyond_the_dense_formula_runs_eagerly_behind_one_break():
-    """A score_mod is code and cannot cross the engine's operator: the default compile runs
-    the engine eagerly behind one graph break (gradients into the tensor it closes over
-    included), and fullgraph=True fails saying why."""
+def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole_within_the_dense_limit():
+    """A score_mod is code and cannot cross the engine's operator: under torch.compile the
+    plain formula takes it into the graph (gradients into the tensor it closes over
+    included). Past the dense limit the default compile runs the engine eagerly behind one
+    graph break, and fullgraph=True fails saying why. qkv.plan says both beforehand."""
     q, k, v = make_qkv(BIG, gen=11)
     t = torch.rand(BIG.Hq, generator=torch.Generator().manual_seed(11)).requires_grad_()
 
@@ -280,15 +281,26 @@ def test_a_user_score_mod_beyond_the_dense_formula_runs_eagerly_behind_one_break
         out = fn(*leaves, mask=qkv.causal, score_mod=tilt)
         return [out, *torch.autograd.grad(out.sum(), [*leaves, t])]
 
+    def same(got, want):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
     want = run(qkv.attention)
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    for a, b in zip(run(torch.compile(qkv.attention, backend=counter)), want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert counter.frame_count <= 2, counter.frame_count  # around the one break
     torch._dynamo.reset()
-    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="score_mod \\(code\\) beyond 2\\^20 scores"):
-        f(q, k, v, mask=qkv.causal, score_mod=tilt)
+    same(run(torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")), want)
+
+    old = qkv.set_dense_limit(1 << 20)  # the plain formula's scores no longer fit
+    try:
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        same(run(torch.compile(qkv.attention, backend=counter)), want)
+        assert counter.frame_count <= 2, counter.frame_count  # around the one break
+        torch._dynamo.reset()
+        f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+        with pytest.raises(Exception, match="score_mod \\(code\\) beyond 2\\^20 scores"):
+            f(q, k, v, mask=qkv.causal, score_mod=tilt)
+    finally:
+        qkv.set_dense_limit(old)
     # qkv.plan (eager) says so beforehand, naming the mod; a built-in score compiles whole.
     notes = qkv.plan(q, k, v, mask=qkv.causal, score_mod=tilt).notes
     assert [n for n in notes if "under torch.compile" in n and "tilt" in n], notes

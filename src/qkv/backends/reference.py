@@ -20,16 +20,26 @@ class ReferenceBackend(Backend):
         return None
 
     def claims(self, p: Problem) -> str | None:
-        # Under torch.compile the block-sparse engine breaks the graph (its tile planning
-        # reads tensor values; the band kernel is an opaque C++ op), while the plain formula
-        # traces into one graph. It does all Lq*Lk work, though: 2-7x eager's time for a
-        # window at n = 256-2048 (benchmarks/compile_matrix.py), so auto takes it only for
-        # problems small enough that eager computes them densely too; larger ones run on
-        # blocksparse with graph breaks, at eager's speed.
-        if torch.compiler.is_compiling() and p.B * p.Hq * p.Lq * p.Lk <= SMALL_DENSE:
+        # Under torch.compile the plain formula traces into one graph. It does all Lq*Lk
+        # work, though: 2-7x eager's time for a window at n = 256-2048
+        # (benchmarks/compile_matrix.py), so auto takes it for problems small enough that
+        # eager computes them densely too, and beyond that only for what the block-sparse
+        # engine's custom operator cannot take (a user's score_mod is code; dropout draws per
+        # call), which would otherwise run eagerly behind a graph break. The dense limit
+        # still applies: past it such calls do take the graph break.
+        if not torch.compiler.is_compiling():
+            return None
+        if p.B * p.Hq * p.Lq * p.Lk <= SMALL_DENSE:
             return (
                 "under torch.compile the plain formula traces into one graph; blocksparse "
-                "would break it"
+                "would plan tiles for a problem this small"
+            )
+        if p.score.kind == "mod" or p.dropout_p > 0:
+            what = "a user's score_mod (code)" if p.score.kind == "mod" else "dropout"
+            return (
+                f"under torch.compile the plain formula traces {what} into the graph; the "
+                "block-sparse engine's operator cannot take it (O(Lq*Lk) memory, within the "
+                "dense limit)"
             )
         return None
 

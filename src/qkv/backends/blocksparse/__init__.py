@@ -94,8 +94,10 @@ class BlocksparseBackend(Backend):
             )
         if dry_run and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE and (why := compiled.why_not(p)):
             notes.append(
-                f"under torch.compile this call cannot be one graph ({why}): the engine runs "
-                "eagerly behind one graph break, and fullgraph=True refuses it"
+                f"under torch.compile the engine's operator cannot take this call ({why}): "
+                "the plain formula runs it in the graph (O(Lq*Lk) memory) within the dense "
+                "limit; past it the engine runs eagerly behind one graph break, which "
+                "fullgraph=True refuses"
             )
         # The tile plan shown: the job's own, or (for routes that need none) the default one.
         block = job.block

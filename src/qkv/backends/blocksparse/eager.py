@@ -1,5 +1,6 @@
 """The block-sparse engine's eager path behind one graph break, for the calls its custom
-operator cannot take while dynamo traces (a user's score_mod beyond 2^20 scores, dropout).
+operator cannot take while dynamo traces (a user's score_mod beyond 2^20 scores, dropout)
+and the plain formula cannot either (its dense scores would pass the dense limit).
 
 Its own module, imported only while dynamo traces: ``torch.compiler.disable`` imports dynamo,
 which an ``import qkv`` must not (importing it before Triton's kernels are defined breaks
@@ -22,9 +23,9 @@ __all__ = ["eagerly"]
 
 @torch.compiler.disable(
     reason="qkv: this call runs its block-sparse engine eagerly: a user's score_mod (code) "
-    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout). "
-    "fullgraph=True needs a built-in score (a bias tensor, qkv.alibi, qkv.softcap, "
-    "qkv.relative_bias) or B*Hq*Lq*Lk <= 2^20"
+    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout), and its "
+    "dense scores pass the dense limit. fullgraph=True needs a built-in score (a bias "
+    "tensor, qkv.alibi, qkv.softcap, qkv.relative_bias) or a higher qkv.set_dense_limit"
 )
 def eagerly(
     backend: Any,
