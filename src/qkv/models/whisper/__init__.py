@@ -17,7 +17,7 @@ from ._align import Word
 from ._audio import read_wav
 from ._load import is_whisper_folder, load_ct2
 from .model import DecoderLayer, EncoderLayer, WhisperConfig, WhisperDecoder, WhisperEncoder
-from .recognizer import SpeechRecognizer, Transcription
+from .recognizer import SpeechRecognizer, Transcription, WordAttention
 
 __all__ = [
     "DecoderLayer",
@@ -28,6 +28,7 @@ __all__ = [
     "WhisperDecoder",
     "WhisperEncoder",
     "Word",
+    "WordAttention",
     "is_whisper_folder",
     "load_ct2",
     "read_wav",

@@ -123,19 +123,21 @@ def align_words(
     offset: float,
     window: tuple[float, float],
     last_speech: float,
-) -> tuple[list[Word], float]:
+) -> tuple[list[Word], float, list[int]]:
     """The words of one window's ``text_tokens`` timed by ``matrix`` ``[n + 1, frames]``
     (:func:`alignment_matrix` of the rows that predicted the tokens and the end token), with
     faster-whisper's adjustments (words at sentence ends and after pauses no longer than twice
     the median word, the window's bounds). ``offset``: the window's start in seconds;
     ``window``: its (start, end) in seconds; ``last_speech``: the end of the previous word.
-    Returns the words and the new ``last_speech`` (the last word's end)."""
+    Returns the words, the new ``last_speech`` (the last word's end) and how many of
+    ``text_tokens`` each word holds (consecutive: word ``k`` holds the tokens after those of
+    words ``0..k-1``)."""
     if not text_tokens:
-        return [], last_speech
+        return [], last_speech, []
     text_idx, time_idx = dtw(matrix)
     names, groups = tok.split_to_words([*text_tokens, tok.eot])
     if len(groups) <= 1:
-        return [], last_speech
+        return [], last_speech, []
     bounds = np.pad(np.cumsum([len(g) for g in groups[:-1]]), (1, 0))
     jumps = np.pad(np.diff(text_idx), (1, 0), constant_values=1).astype(bool)
     jump_times = time_idx[jumps] / TOKENS_PER_SECOND
@@ -164,13 +166,14 @@ def align_words(
                 elif words[i - 1]["word"] in _SENTENCE_END:
                     words[i]["start"] = words[i]["end"] - longest
     _merge_punctuation(words)
+    kept = [w for w in words if w["word"]]
     out = [
         Word(w["word"], round(offset + w["start"], 2), round(offset + w["end"], 2), w["prob"])
-        for w in words
-        if w["word"]
+        for w in kept
     ]
+    counts = [len(w["tokens"]) for w in kept]
     if not out:
-        return out, last_speech
+        return out, last_speech, counts
     first = out[0]
     if first.end - last_speech > median * 4 and (
         first.end - first.start > longest
@@ -186,4 +189,4 @@ def align_words(
     last = out[-1]
     if end > last.start and end + 0.5 < last.end:
         last.end = max(last.start + median, end)
-    return out, last.end
+    return out, last.end, counts

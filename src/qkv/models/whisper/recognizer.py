@@ -15,7 +15,7 @@ from .model import WhisperConfig, WhisperDecoder, WhisperEncoder
 
 Tensor = torch.Tensor
 
-__all__ = ["SpeechRecognizer", "Transcription"]
+__all__ = ["SpeechRecognizer", "Transcription", "WordAttention"]
 
 WINDOW = 3000  # mel frames per window: 30 s
 MAX_NEW_TOKENS = 224  # CTranslate2's cap with faster-whisper's max_length 448 (half of it)
@@ -32,6 +32,18 @@ class Transcription:
     tokens: list[int]  # the text tokens, no special tokens
     words: list[Word] = field(default_factory=list)  # with word_timestamps=True
     duration: float = 0.0  # seconds of audio
+
+
+@dataclass
+class WordAttention:
+    """A word of a transcription and what the decoder's cross-attention listened to while it
+    predicted the word's tokens (what :meth:`SpeechRecognizer.word_attention` returns)."""
+
+    word: Word  # its text and times, as in Transcription.words
+    pieces: list[str]  # its tokens' text: [" tir", "ed."]
+    offset: float  # seconds from the audio's start to encoder position 0 of the word's window
+    frames: int  # encoder positions of that window holding audio (the rest is padding)
+    weights: Tensor  # [layers, heads, len(pieces), 1500]: row i predicted pieces[i]
 
 
 @dataclass
@@ -214,18 +226,21 @@ class SpeechRecognizer(nn.Module):
             result.text += text
             result.tokens += tokens
             if word_timestamps:
-                words, last_speech = self._time_words(states, tokens, start, n, last_speech)
+                words, last_speech, _, _ = self._time_words(states, tokens, start, n, last_speech)
                 result.words += words
         return result
 
     def _time_words(
         self, states: Tensor, tokens: list[int], start: int, n: int, last_speech: float
-    ) -> tuple[list[Word], float]:
+    ) -> tuple[list[Word], float, list[int], Tensor]:
+        """The window's words, the new ``last_speech``, how many tokens each word holds, and
+        the cross-attention of the rows that predicted the tokens and the end token
+        ``[layers, heads, n + 1, 1500]``."""
         probs, weights = self._teacher_forced(states, tokens)
         heads = torch.stack([weights[layer, head] for layer, head in self.alignment_heads])
         matrix = alignment_matrix(heads, n // 2)  # encoder positions are 2 mel frames
         offset = start / 100
-        return align_words(
+        words, last_speech, counts = align_words(
             self.tokenizer,
             tokens,
             matrix,
@@ -234,6 +249,7 @@ class SpeechRecognizer(nn.Module):
             window=(offset, offset + n / 100),
             last_speech=last_speech,
         )
+        return words, last_speech, counts, weights
 
     @torch.inference_mode()
     def cross_attention_maps(self, audio: object, *, window: int = 0) -> tuple[list[str], Tensor]:
@@ -260,3 +276,33 @@ class SpeechRecognizer(nn.Module):
         _, weights = self._teacher_forced(states, tokens)
         pieces = [self.tokenizer.decode([t]) for t in tokens] + ["<|endoftext|>"]
         return pieces, weights.float()
+
+    @torch.inference_mode()
+    def word_attention(self, audio: object) -> list[WordAttention]:
+        """Every word of the transcription (as ``transcribe(audio, word_timestamps=True)``
+        gives them) with the cross-attention weights of the decoder queries that predicted
+        its tokens: :class:`WordAttention` ``(word, pieces, offset, frames, weights)``,
+        ``weights [layers, heads, len(pieces), 1500]`` (float32, rows sum to 1; position
+        ``j`` is the audio from ``offset + 0.02 j`` to ``offset + 0.02 (j + 1)`` seconds).
+        What ``qkv explain --audio`` shows."""
+        samples = _audio.as_samples(audio)
+        mel = _audio.log_mel(samples)
+        out: list[WordAttention] = []
+        last_speech = 0.0
+        for start, n, seg in self._windows(mel):
+            states = self.encoder(seg[None])  # [1, 1500, d]
+            tokens, silent = self._greedy(states)
+            if silent or not self.tokenizer.decode(tokens).strip():
+                continue
+            words, last_speech, counts, weights = self._time_words(
+                states, tokens, start, n, last_speech
+            )
+            assert sum(counts) <= len(tokens), (counts, len(tokens))
+            row = 0
+            for word, k in zip(words, counts, strict=True):
+                ids = tokens[row : row + k]
+                pieces = [self.tokenizer.decode([t]) for t in ids]
+                w = weights[:, :, row : row + k].float()  # [layers, heads, k, 1500]
+                out.append(WordAttention(word, pieces, start / 100, n // 2, w))
+                row += k
+        return out
