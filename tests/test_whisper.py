@@ -303,3 +303,30 @@ def test_cross_kv_cache_equals_the_uncached_call() -> None:
     y = sum(mha(x[:, i : i + 1], ctx, cache=cache).square().sum() for i in range(2))
     y.backward()
     assert mha.k_proj.weight.grad is not None and mha.k_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_light_argmax_equals_the_exact_argmax(int8: bool) -> None:
+    from qkv.models.whisper._light import LightLogits, _int8_works
+
+    if int8 and not _int8_works():
+        pytest.skip("this torch has no CPU aten::_weight_int8pack_mm")
+    torch.manual_seed(0)
+    w = torch.randn(4099, 384) * 0.05
+    states = torch.randn(40, 384) * 3
+    # the best rows: 3 and 7 (~1e-8 apart, below float32's resolution of a logit of 40) for
+    # state 0; 4000 and its copy 11 (the lowest id wins) for state 1; 12, suppressed, for 2
+    w[3] = 40 * states[0] / states[0].norm() ** 2
+    j = int(states[0].abs().argmax())
+    w[7] = w[3]
+    w[7, j] = torch.nextafter(w[3, j], states[0, j].sign() * torch.inf)  # 1 ulp higher logit
+    w[4000] = 80 * states[1] / states[1].norm() ** 2
+    w[11] = w[4000]
+    w[12] = 120 * states[2] / states[2].norm() ** 2
+    light = LightLogits(w, int8=int8)
+    suppressed = torch.tensor([12, 5, 900])
+    got = [light.argmax(s, suppressed) for s in states]
+    assert got[:2] == [7, 11] and got[2] != 12
+    full = states.double() @ w.double().T  # [40, V]
+    full[:, suppressed] = -torch.inf
+    assert got == full.argmax(-1).tolist()

@@ -10,6 +10,7 @@ from torch import nn
 
 from . import _audio
 from ._align import Word, align_words, alignment_matrix
+from ._light import LightLogits
 from ._text import WhisperTokenizer
 from .model import WhisperConfig, WhisperDecoder, WhisperEncoder
 
@@ -82,7 +83,8 @@ class SpeechRecognizer(nn.Module):
         self.path = path
         self._suppress = torch.tensor(tokenizer.suppress_tokens, dtype=torch.int64)
         self._suppress_first = torch.tensor(suppress_blank, dtype=torch.int64)
-        self._light: tuple[Tensor, Tensor] | None = None  # float16 embedding, row norms
+        self._light: LightLogits | None = None  # built at the first greedy step
+        self._suppress_both = self._suppress
 
     def extra_repr(self) -> str:
         c = self.config
@@ -154,25 +156,13 @@ class SpeechRecognizer(nn.Module):
         return tokens, silent
 
     def _light_argmax(self, state: Tensor, *, first: bool) -> int:
-        """The argmax of the (suppressed) logits of ``state [d]``, found with a float16 copy
-        of the tied embedding (the checkpoint's own float16 values: 40 of the 80 MB a token
-        reads) and confirmed in float32: every token whose float16 logit could, within its
-        rounding bound, reach the best one is recomputed exactly, and the best of those wins
-        (the lowest id on a tie, as ``argmax`` of the full float32 logits)."""
+        """The argmax of the (suppressed) logits of ``state [d]`` from a light copy of the
+        tied embedding, confirmed in float32 (:class:`~._light.LightLogits`)."""
         w = self.decoder.embed.weight
-        if self._light is None or self._light[0].device != w.device:
-            self._light = (w.half(), w.norm(dim=1))
-        w16, norms = self._light
-        approx = (state.half() @ w16.T).float()  # [vocab]
-        # float16 rounds x and the product to 11 bits: |error| <= 2^-11 (|x||w_j| + |y_j|),
-        # taken twice over, plus float32 accumulation (far below 1e-3)
-        bound = 2.0**-10 * (state.norm() * norms + approx.abs()) + 1e-3
-        approx[self._suppress] = -torch.inf
-        if first:
-            approx[self._suppress_first] = -torch.inf
-        cand = (approx + bound >= (approx - bound).max()).nonzero()[:, 0]  # ascending ids
-        exact = w[cand] @ state  # [candidates]
-        return int(cand[exact.argmax()])
+        if self._light is None or self._light.source != (w.data_ptr(), w.device, w.dtype):
+            self._light = LightLogits(w)
+            self._suppress_both = torch.cat([self._suppress, self._suppress_first])
+        return self._light.argmax(state, self._suppress_both if first else self._suppress)
 
     @torch.inference_mode()
     def _teacher_forced(self, audio: Tensor, tokens: list[int]) -> tuple[Tensor, Tensor]:
