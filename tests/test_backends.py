@@ -15,6 +15,7 @@ import functools
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -149,8 +150,21 @@ def test_the_matrix_runs_every_backend() -> None:
         qkv.plan(*(torch.zeros(1, 1, 1, 1),) * 3, backend="no such backend")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=str)
+def _matrix() -> list[Any]:
+    """Every case on every backend. Triton's kernels run in its interpreter on the CPU (a
+    hundred times slower than compiled): past ~20 K scores per head its cases are extended
+    (``make test-all``); the default run keeps the small ones of every axis value, and
+    tests/test_triton.py its multi-tile cases."""
+    params = []
+    for case in CASES:
+        for backend in BACKENDS:
+            big = case.shape.Lq * case.shape.Lk > 20_000 and backend == "triton"
+            marks = [pytest.mark.extended] if big else []
+            params.append(pytest.param(case, backend, marks=marks, id=f"{case}-{backend}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "backend"), _matrix())
 def test_backend_matches_oracle(case: Case, backend: str) -> None:
     run_case(case, backend)
 

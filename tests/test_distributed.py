@@ -48,7 +48,13 @@ def _world(rank: int, W: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+# A world of 4 (~25 s to start and run) is extended (make test-all): 2 and 3 ranks cover even
+# and uneven splits in the default run.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(w, marks=[pytest.mark.extended]) if w == 4 else w for w in WORLDS],
+    ids=lambda w: f"W{w}",
+)
 def world(request: pytest.FixtureRequest) -> tuple[int, list[Any]]:
     return request.param, run_world(request.param, _world)
 

@@ -50,7 +50,12 @@ def _world(rank: int, W: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"W{w}")
+# The world of 3 (uneven shards; ~15 s) is extended (make test-all); 2 ranks in the default run.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(w, marks=[pytest.mark.extended]) if w == 3 else w for w in WORLDS],
+    ids=lambda w: f"W{w}",
+)
 def world(request: pytest.FixtureRequest) -> tuple[int, list[Any]]:
     return request.param, run_world(request.param, _world)
 
