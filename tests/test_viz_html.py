@@ -3,10 +3,10 @@
 The page must load with no console error, show the tokens as text (hostile ones included),
 change when the layer or head changes, make no network request, and render something visible.
 
-Browser policy (README, "Testing"): ``make test`` installs Chromium when it is missing and it
-runs as root (as CI does). If no browser can be found or started, these tests FAIL. The only
-way to skip them is to set ``QKV_SKIP_BROWSER=1`` on a machine where ``CI`` is not set; in CI
-that variable is ignored.
+Browser policy (docs/contributing/testing.md, "In a browser"): ``make test`` installs
+Chromium when it is missing and it runs as root (as CI does). If no browser can be found or
+started, these tests FAIL. The only way to skip them is to set ``QKV_SKIP_BROWSER=1`` on a
+machine where ``CI`` is not set; in CI that variable is ignored.
 """
 
 from __future__ import annotations
