@@ -19,8 +19,8 @@ from catalogue import lay_out
 
 # private on purpose: the plain baseline runs on qkv's own normalised problem (unbatched inputs,
 # GQA groups), and the oracle's lse comes from qkv.reference.forward
-from qkv._dense import apply_score_mod, dense_mask
-from qkv._problem import validate
+from qkv._core.dense import apply_score_mod, dense_mask
+from qkv._core.problem import validate
 
 Tensor = torch.Tensor
 

@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from catalogue import MASKS, Shape, index_tensors, make_mask
-from qkv import _tiles as tiles  # private: its evaluation hook and budget are units tested
+from qkv._core import tiles  # private: its evaluation hook and budget are units tested
 
 Tensor = torch.Tensor
 

@@ -3,7 +3,7 @@
 FlexAttention evaluates mask_mods and score_mods under ``torch.vmap`` with 0-d indices, so
 mods written for it may index twice (``table[q_idx][kv_idx]``) or take ``torch.dot`` of
 gathered rows; qkv calls them with broadcastable index tensors, where those fail. qkv probes
-each mod and evaluates the vmap-only ones through vmap (``qkv._flexcompat``). Every mod here
+each mod and evaluates the vmap-only ones through vmap (``qkv._flex.compat``). Every mod here
 has a broadcast twin computing the same thing; the oracle runs the twin in float64.
 """
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import qkv
-from qkv._flexcompat import ModCall
-from qkv._problem import validate
+from qkv._core.problem import validate
+from qkv._flex.compat import ModCall
 from qkv.backends.blocksparse.autograd import captured as _captured
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import qkv
-from qkv._evaluate import grid
+from qkv._core.evaluate import grid
+from qkv._core.positions import mask_at  # the KV-cache shift, tested on purpose
 from qkv._kinds import MASK_KINDS, band, classify_mask, classify_score  # the unit under test
-from qkv._positions import mask_at  # the KV-cache shift, tested on purpose
 
 L = 40
 

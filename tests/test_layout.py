@@ -128,9 +128,9 @@ def private_part(dotted: str, packages: set[str]) -> tuple[str, str] | None:
 def private_imports() -> set[str]:
     """``importer -> private`` for each private module or name imported from outside the
     package that owns it. A private module is private to its package *and that package's
-    subpackages* (Python's convention: ``qkv._problem`` is qkv's internal vocabulary, read by
+    subpackages* (Python's convention: ``qkv._core.problem`` is qkv's internal vocabulary, read by
     ``qkv.backends`` and ``qkv.inspect``); a private module of a sibling package, or a
-    private name of another package's module (``qkv._positions._MaskAt`` from ``qkv.hf``),
+    private name of another package's module (``qkv._core.positions._MaskAt`` from ``qkv.hf``),
     is not."""
     src = sources()
     names = set(src)
@@ -146,7 +146,7 @@ def private_imports() -> set[str]:
             hit = private_part(target if name is None else f"{target}.{name}", packages)
             if hit is None or package == hit[0]:
                 continue  # public, or private to the importer's own package
-            a_module = "." not in hit[1][len(hit[0]) + 1 :]  # qkv._problem, not qkv.masks._Band
+            a_module = "." not in hit[1][len(hit[0]) + 1 :]  # qkv._core, not qkv.masks._Band
             if not (a_module and package.startswith(hit[0] + ".")):
                 found.add(f"{me} -> {hit[1]}")
     return found
@@ -166,7 +166,7 @@ def test_the_graph_is_read_from_the_source() -> None:
     assert len(g) > 40
     assert {"qkv.functional", "qkv.planner", "qkv.inspect", "qkv.modules"} <= g["qkv"]
     assert "qkv._recording" in g["qkv.functional"]  # from . import _recording, planner
-    assert "qkv._kinds" in g["qkv._positions"]  # from ._kinds import MaskKind, band
+    assert "qkv._kinds" in g["qkv._core.positions"]  # from ._kinds import MaskKind, band
     assert "qkv.inspect._weights" in g["qkv.inspect._record"]  # from ._weights import ...
     assert "qkv.modules" in g["qkv.models.bert"]  # from ..modules import ...
     # A made-up cycle is found, and a chain is not one.

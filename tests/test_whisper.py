@@ -277,7 +277,7 @@ def test_cli_transcribe(results: dict, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_cross_kv_cache_equals_the_uncached_call() -> None:
-    from qkv.cross_cache import CrossKVCache
+    from qkv import CrossKVCache
 
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(48, 6, n_kv_heads=2, bias=True, qk_norm=True).eval()

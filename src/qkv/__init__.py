@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from . import inspect, reference
 from .blockmask import BlockMask, block_mask
 from .cache import KVCache, SlidingWindowCache
+from .cross_cache import CrossKVCache
 from .functional import attention
 from .masks import and_masks, causal, document, or_masks, padding, prefix_lm, sliding_window
 from .modules import MultiHeadAttention
@@ -36,6 +37,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BlockMask",
+    "CrossKVCache",
     "KVCache",
     "MultiHeadAttention",
     "Plan",

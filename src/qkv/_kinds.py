@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ._checks import callable_name
-from ._flexcompat import ModCall
+from ._core.checks import callable_name
+from ._flex.compat import ModCall
 from .masks import _And, _Band, _Document, _KvBelow, _Or, causal
 from .scores import _Alibi, _RelativeBias, _Softcap
 
@@ -206,7 +206,7 @@ def describe(obj: object) -> str:
 
 def _evaluation(fn: object) -> str:
     """How a user mod is called: "vmap" once it is known to work only under FlexAttention's
-    convention (``qkv._flexcompat``), else "broadcast" (a score_mod decides on its first
+    convention (``qkv._flex.compat``), else "broadcast" (a score_mod decides on its first
     call, so its kind may say "broadcast" until then)."""
     return "vmap" if isinstance(fn, ModCall) and fn.decided and fn.why is not None else "broadcast"
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ._checks import as_4d, broadcastable
-from ._flexcompat import adopt_mask
+from ._core.checks import as_4d, broadcastable
+from ._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
+from ._flex.compat import adopt_mask
 from ._kinds import MaskKind, classify_mask
-from ._tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
 
 Tensor = torch.Tensor
 
@@ -113,7 +113,7 @@ class BlockMask:
             self._rows = _schedule(self.states, self.shape[2], self.block_size[0])
         return self._rows
 
-    # -- validation (qkv._problem calls it for a block mask passed as mask=) ---------------
+    # -- validation (qkv._core.problem calls it for a block mask passed as mask=) ---------------
 
     def check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         mB, mH, mLq, mLk = self.shape

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ._cache_state import StepGuard
+from ._core.positions import RingPositions, band_covers, mask_at, score_at
+from ._core.problem import mask_kind
 from ._kinds import band
-from ._positions import _RingPositions, band_covers, mask_at, score_at
-from ._problem import mask_kind
 from .masks import and_masks
 from .typing import MaskLike, ScoreLike
 
@@ -352,7 +352,7 @@ class SlidingWindowCache(_Cache):
                 mask_at(mask, n, 0, 1, Lk),
                 score_at(score_mod, n, 0, 1),
             )
-        ring = _RingPositions(n, W)
+        ring = RingPositions(n, W)
         kind = mask_kind(mask)
         if not band_covers(kind, -(W - 1), 0) and kind.kind != "none":
             mask = mask_at(kind.mask_mod, n, ring, 1, W)

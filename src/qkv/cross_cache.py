@@ -41,10 +41,9 @@ class CrossKVCache:
     Example::
 
         >>> import torch, qkv
-        >>> from qkv.cross_cache import CrossKVCache
         >>> mha = qkv.MultiHeadAttention(64, 4).eval()
         >>> context, x = torch.randn(1, 50, 64), torch.randn(1, 3, 64)
-        >>> cache = CrossKVCache()
+        >>> cache = qkv.CrossKVCache()
         >>> with torch.no_grad():
         ...     steps = [mha(x[:, i : i + 1], context, cache=cache) for i in range(3)]
         ...     full = mha(x, context)

@@ -8,7 +8,7 @@ per element, so any mask built from comparisons, indexing, ``&``, ``|``, ``~`` a
 
 The built-ins are small objects rather than plain functions: they also carry their structure
 (a band of diagonals, a prefix of keys, equal document ids). :mod:`qkv._kinds` reads it once
-per call, so the tile planner (:mod:`qkv._tiles`) classifies blocks as empty, full or partial
+per call, so the tile planner (:mod:`qkv._core.tiles`) classifies blocks as empty, full or partial
 without evaluating n² positions, and combinations reach the kernel of the mask they equal.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._checks import callable_name, check_mask_result
+from ._core.checks import callable_name, check_mask_result
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._flexplan import plan_notes
-from ._problem import Problem, validate
+from ._core.problem import Problem, validate
+from ._flex.plan import plan_notes
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import Backend, Route, Unavailable
 from .typing import MaskLike, ScoreLike

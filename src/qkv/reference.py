@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ._dense import apply_score_mod, dense_mask
-from ._problem import Problem, validate
+from ._core.dense import apply_score_mod, dense_mask
+from ._core.problem import Problem, validate
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

@@ -78,7 +78,7 @@ def dense_bool(spec: MaskSpec, n: int) -> Any:
     """The mask as the ``[n, n]`` bool tensor SDPA needs."""
     import torch
 
-    from .._evaluate import grid
+    from .._core.evaluate import grid
 
     b, h, q, k = grid((0, 1), (0, 1), (0, n), (0, n), torch.device("cpu"))
     return spec.mod(b, h, q, k)[0, 0]

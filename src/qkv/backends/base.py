@@ -1,6 +1,6 @@
 """The backend protocol: what every backend must say, and the route it hands the planner.
 
-A backend answers three questions about a classified :class:`qkv._problem.Problem`:
+A backend answers three questions about a classified :class:`qkv._core.problem.Problem`:
 
 - ``rejects(p)``: why it cannot compute ``p`` exactly (``None`` if it can);
 - ``route(p)``: how it will compute it — a frozen :class:`Route` naming the forward and
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._problem import Problem
+from .._core.problem import Problem
 
 Tensor = torch.Tensor
 # A route as a function of the tensors: a Kernel always computes; a Runner may answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from .._problem import Problem
+from .._core.problem import Problem
 from .base import SMALL_DENSE, Backend, Route, score_bytes
 
 Tensor = torch.Tensor

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._dense import dense_mask
-from .._problem import Problem
+from .._core.dense import dense_mask
+from .._core.problem import Problem
 from .base import (
     HUGE_LOGIT,
     SMALL_DENSE,

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .._checks import callable_name
-from .._evaluate import mask_at, score_at
-from .._flexcompat import is_flex_block_mask
-from .._problem import Problem
+from .._core.checks import callable_name
+from .._core.evaluate import mask_at, score_at
+from .._core.problem import Problem
+from .._flex.compat import is_flex_block_mask
 from ..blockmask import BlockMask
 
 Tensor = torch.Tensor

@@ -11,7 +11,7 @@ attention follow-ups). For ``L = 10, W = 2``::
     zigzag      c = 3   rank 0: 0 1 2 | 9        rank 1: 3 4 5 | 6 7 8
 
 Chunks of one size ``c`` are exactly the blocks of a ``c x c`` tiling of the score matrix,
-so qkv's block classification (:mod:`qkv._tiles`) says at once which chunk pairs a mask
+so qkv's block classification (:mod:`qkv._core.tiles`) says at once which chunk pairs a mask
 leaves empty, partial or full.
 """
 

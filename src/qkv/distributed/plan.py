@@ -2,7 +2,7 @@
 what each rank computes. ``qd.plan`` prints it; ``qd.attention`` executes the same one.
 
 From qkv's block classification of the mask at global positions, with one tile per chunk
-(:class:`qkv._tiles.Grid` with ``bq = bk = c``, analytic for every built-in mask), each
+(:class:`qkv._core.tiles.Grid` with ``bq = bk = c``, analytic for every built-in mask), each
 (query chunk, key chunk) pair is empty, partial or full; a partial pair is classified again
 at ``c / 16`` resolution (at most 128 positions) to find the key rows its queries see. Rank
 ``s`` sends rank ``r`` only those rows of its chunks (their hull, one piece per chunk), and
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core.problem import mask_kind
+from .._core.tiles import EMPTY, FULL, PARTIAL, Grid
 from .._kinds import MaskKind
-from .._problem import mask_kind
-from .._tiles import EMPTY, FULL, PARTIAL, Grid
 from .layout import Layout
 from .positions import mask_for
 

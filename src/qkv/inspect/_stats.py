@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._problem import Problem
+from .._core.problem import Problem
 from ..typing import MaskLike, ScoreLike
 from ._weights import check_problem, scores
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._evaluate import mask_at, score_at
-from .._problem import Problem, validate
+from .._core.evaluate import mask_at, score_at
+from .._core.problem import Problem, validate
 from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

@@ -22,8 +22,8 @@ import functools
 
 import torch
 
-from ..._problem import Problem
-from ..._tiles import DEFAULT_BLOCK
+from ..._core.problem import Problem
+from ..._core.tiles import DEFAULT_BLOCK
 from ..base import SMALL_DENSE, Backend, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, compiled, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden

@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from ..._problem import Problem
+from ..._core.problem import Problem
 from .backward import backward
 from .forward import forward, row_forward
 from .job import Job

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..._evaluate import mask_at, whole
+from ..._core.evaluate import mask_at, whole
+from ..._core.problem import Problem
 from ..._kinds import classify_mask
 from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
-from ..._problem import Problem
 from ..base import unit_last_stride
 from .autograd import captured
 from .backward import backward

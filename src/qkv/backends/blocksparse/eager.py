@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..._problem import validate
+from ..._core.problem import validate
 
 Tensor = torch.Tensor
 

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..._evaluate import Axis, mask_at, score_at, size, take
+from ..._core.evaluate import Axis, mask_at, score_at, size, take
+from ..._core.problem import Problem
 from ..._kinds import MaskKind
-from ..._problem import Problem
 from ...blockmask import BlockMask
 
 Tensor = torch.Tensor

@@ -22,8 +22,8 @@ import functools
 
 import torch
 
-from ..._problem import Problem
-from ..._tiles import DEFAULT_BLOCK
+from ..._core.problem import Problem
+from ..._core.tiles import DEFAULT_BLOCK
 from ...blockmask import BlockMask, build
 from . import schedule
 from .job import Job, Segment, fused_ok

@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from ..._problem import Problem
+from ..._core.problem import Problem
 from ..base import Backend, Route, imprecise_backward, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings

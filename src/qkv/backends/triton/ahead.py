@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..._problem import Problem
+from ..._core.problem import Problem
 from .launch import constexprs, gpu_tilings, heavy
 from .lists import mask_spec
 
@@ -114,7 +114,7 @@ def variants() -> list[tuple[str, Problem, bool | int]]:
     """``(label, problem, param_grad)``: every dtype, the three head-dim tiers, each in-kernel
     mask term, bits, every score kind (with their tensors' gradients)."""
     from ... import masks, scores
-    from ..._problem import validate
+    from ..._core.problem import validate
 
     def problem(dtype: torch.dtype, d: int, mask: object, score: object = None) -> Problem:
         q = torch.empty(2, 8, 1000, d, dtype=dtype, device="meta")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..._problem import Problem
+from ..._core.problem import Problem
 from .lists import MaskSpec, TileLists
 
 Tensor = torch.Tensor

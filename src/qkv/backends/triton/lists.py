@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._evaluate import call_mask_mod
+from ..._core.evaluate import call_mask_mod
+from ..._core.tiles import EMPTY, EVAL_BUDGET, PARTIAL
 from ..._kinds import MaskKind
-from ..._tiles import EMPTY, EVAL_BUDGET, PARTIAL
 from ...blockmask import BlockMask, build
 
 Tensor = torch.Tensor

@@ -178,7 +178,7 @@ class WhisperDecoder(nn.Module):
 
     def new_caches(self) -> tuple[list[KVCache], list[CrossKVCache]]:
         """One self-attention :class:`qkv.KVCache` (the whole text context) and one
-        :class:`~qkv.cross_cache.CrossKVCache` per layer, for decoding one window."""
+        :class:`qkv.CrossKVCache` per layer, for decoding one window."""
         n = self.config.n_text_layers
         return [KVCache(self.config.n_text_ctx) for _ in range(n)], [
             CrossKVCache() for _ in range(n)

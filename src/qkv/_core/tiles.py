@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._evaluate import mask_at
-from ._kinds import MaskKind
+from .._kinds import MaskKind
+from .evaluate import mask_at
 
 Tensor = torch.Tensor
 

@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from ._checks import callable_name
-from ._kinds import MaskKind, band, classify_score
-from ._problem import mask_kind
-from .typing import MaskLike, ScoreLike
+from .._kinds import MaskKind, band, classify_score
+from ..typing import MaskLike, ScoreLike
+from .checks import callable_name
+from .problem import mask_kind
 
 Tensor = torch.Tensor
 
 
-class _RingPositions:
+class RingPositions:
     """Absolute position of each slot of a ring buffer of ``window`` slots whose newest entry
     is position ``last``: slot ``s`` holds the largest ``p <= last`` with ``p % window == s``."""
 
@@ -48,7 +48,7 @@ class _RingPositions:
         return kv_idx + self.window * wraps
 
 
-KvPos = int | _RingPositions
+KvPos = int | RingPositions
 
 
 def _kv_abs(kv_pos: KvPos, kv_idx: Tensor) -> Tensor:

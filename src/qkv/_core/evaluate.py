@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ._checks import check_mask_result, check_score_result
-from ._kinds import MaskKind, ScoreKind
+from .._kinds import MaskKind, ScoreKind
+from .checks import check_mask_result, check_score_result
 
 Tensor = torch.Tensor
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
+from .._flex.blockmask import from_flex_block_mask
+from .._flex.compat import adopt_mask, adopt_score_mod, is_flex_block_mask
+from .._kinds import MaskKind, ScoreKind, classify_mask, classify_score
+from ..blockmask import BlockMask
+from .checks import (
     check_bias_tensor,
     check_dropout,
     check_mask_tensor,
     check_qkv,
     check_scale,
 )
-from ._evaluate import grid
-from ._flexblockmask import from_flex_block_mask
-from ._flexcompat import adopt_mask, adopt_score_mod, is_flex_block_mask
-from ._kinds import MaskKind, ScoreKind, classify_mask, classify_score
-from .blockmask import BlockMask
+from .evaluate import grid
 
 Tensor = torch.Tensor
 

@@ -1,7 +1,7 @@
 """Masks and score_mods over the whole ``[B, Hq, Lq, Lk]`` score grid.
 
 Used by the backends that work on the full score matrix (the reference, and SDPA when it is
-given a dense mask); the evaluation itself is :mod:`qkv._evaluate`'s, as for every other
+given a dense mask); the evaluation itself is :mod:`qkv._core.evaluate`'s, as for every other
 region of the grid.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._evaluate import mask_at, score_at, whole
-from ._problem import Problem
+from .evaluate import mask_at, score_at, whole
+from .problem import Problem
 
 Tensor = torch.Tensor
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._checks import broadcastable, callable_name, check_mask_result, check_score_result
+from .._core.checks import broadcastable, callable_name, check_mask_result, check_score_result
 
 Tensor = torch.Tensor
 
@@ -296,7 +296,7 @@ def adopt_mask(
 
 
 def is_flex_block_mask(obj: object) -> bool:
-    """True for a FlexAttention ``BlockMask`` (``qkv._flexblockmask`` converts it)."""
+    """True for a FlexAttention ``BlockMask`` (``qkv._flex.blockmask`` converts it)."""
     flex = sys.modules.get(_FLEX)  # loaded if the caller built a FlexAttention BlockMask
     return flex is not None and isinstance(obj, flex.BlockMask)
 
@@ -320,7 +320,7 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    for attr in ("mods", "mod"):  # qkv.masks._Combined; qkv._positions.MaskAt, ScoreAt
+    for attr in ("mods", "mod"):  # qkv.masks._Combined; qkv._core.positions.MaskAt, ScoreAt
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:
             continue

@@ -1,7 +1,7 @@
 """What :func:`qkv.plan` says about mods evaluated through ``torch.vmap``, and what they cost.
 
 A mask_mod or score_mod that works only under FlexAttention's vmap convention is evaluated
-per element (``qkv._flexcompat``). The plan says so in a note, with the cost measured when
+per element (``qkv._flex.compat``). The plan says so in a note, with the cost measured when
 the plan is made: a typical mod (a table lookup) through vmap against the same mod under
 broadcasting, on a 128x128 tile, and the user's mod itself on a tile of the problem.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ._evaluate import grid
-from ._flexcompat import ModCall, _is_qkv, _items, _probe, vmap_grid
+from .._core.evaluate import grid
+from .compat import ModCall, _is_qkv, _items, _probe, vmap_grid
 
 Tensor = torch.Tensor
 

@@ -11,7 +11,7 @@ attend is what FlexAttention computes::
                           or (state == partial and mask_mod(b, h, i, j))
 
 The mask_mod is vmap-style (FlexAttention evaluates it under vmap), so it goes through
-:func:`qkv._flexcompat.mask_mod_convention`. Lengths need not be block multiples:
+:func:`qkv._flex.compat.mask_mod_convention`. Lengths need not be block multiples:
 FlexAttention pads the last blocks with "masked" when it builds them, so those are partial
 and their mask_mod is evaluated at the real positions only.
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ._evaluate import call_mask_mod
-from ._flexcompat import _FLEX, mask_mod_convention
-from ._kinds import classify_mask
-from ._tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL
-from .blockmask import BlockMask
+from .._core.evaluate import call_mask_mod
+from .._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL
+from .._kinds import classify_mask
+from ..blockmask import BlockMask
+from .compat import _FLEX, mask_mod_convention
 
 Tensor = torch.Tensor
 
