@@ -348,3 +348,19 @@ def test_a_new_sequence_length_recompiles_at_most_once():
         out = f(q, k, v, mask=qkv.sliding_window(5))
         torch.testing.assert_close(out, qkv.attention(q, k, v, mask=qkv.sliding_window(5)))
     assert counter.frame_count <= 2, f"{counter.frame_count} compiles for 4 lengths"
+
+
+def test_a_padding_mask_made_inside_the_compiled_function_traces():
+    """qkv.padding(lengths) built inside the compiled function: one graph, equal to eager; its
+    check of the lengths runs when the graph runs (a negative length still fails)."""
+
+    def f(q, k, v, lengths):
+        return qkv.attention(q, k, v, mask=qkv.padding(lengths))
+
+    q, k, v = make_qkv(SHAPE.replace(B=2), gen=5)
+    lengths = torch.tensor([SHAPE.Lk // 3, SHAPE.Lk])
+    torch._dynamo.reset()
+    g = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(g(q, k, v, lengths), f(q, k, v, lengths), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="padding lengths must be >= 0"):
+        g(q, k, v, torch.tensor([-1, SHAPE.Lk]))

@@ -125,8 +125,12 @@ class _KvBelow(_BuiltinMask):
     """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
     ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
 
-    def __init__(self, limit: int | Tensor, name: str, start: Tensor | None = None) -> None:
-        self.limit, self._name, self.start = limit, name, start
+    def __init__(
+        self, limit: int | Tensor, name: str | Callable[[], str], start: Tensor | None = None
+    ) -> None:
+        # a name may be made when first shown: it reads the lengths' values (.tolist()),
+        # which inside a compiled function would break the graph
+        self.limit, self._name_of, self.start = limit, name, start
         # copies per device, with the version of the tensor they copied: an in-place edit of
         # the lengths makes a new copy instead of leaving a stale one
         self._by_device: dict[tuple[str, torch.device], tuple[int, Tensor]] = {}
@@ -161,6 +165,10 @@ class _KvBelow(_BuiltinMask):
                 f"give one key length per batch element"
             )
 
+    @property
+    def _name(self) -> str:
+        return self._name_of if isinstance(self._name_of, str) else self._name_of()
+
     def __repr__(self) -> str:
         return self._name
 
@@ -183,7 +191,8 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
     """
     _check_counts("padding lengths", lengths)
     if start is None:
-        return _KvBelow(lengths.detach(), f"qkv.padding({lengths.tolist()})")
+        kept = lengths.detach()
+        return _KvBelow(kept, lambda: f"qkv.padding({kept.tolist()})")
     _check_counts("padding start", start)
     if start.shape != lengths.shape:
         raise ValueError(
@@ -191,8 +200,10 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
             f"{tuple(lengths.shape)}; give one start per batch element"
         )
     end = (start.to(torch.int64) + lengths.to(torch.int64)).detach()
-    name = f"qkv.padding({lengths.tolist()}, start={start.tolist()})"
-    return _KvBelow(end, name, start.detach().to(torch.int64))
+    begin = start.detach().to(torch.int64)
+    return _KvBelow(
+        end, lambda: f"qkv.padding({(end - begin).tolist()}, start={begin.tolist()})", begin
+    )
 
 
 def _check_counts(what: str, t: object) -> None:
@@ -205,7 +216,10 @@ def _check_counts(what: str, t: object) -> None:
             f"{what} must be a 1-D integer tensor [B], got shape "
             f"{tuple(t.shape)} and dtype {t.dtype}"
         )
-    if t.numel() and int(t.min()) < 0:
+    if torch.compiler.is_compiling():
+        # a value check would break the graph: checked when the graph runs instead
+        torch._assert_async((t >= 0).all(), f"{what} must be >= 0")
+    elif t.numel() and int(t.min()) < 0:
         raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
 
 
