@@ -164,3 +164,17 @@ def test_errors_are_one_line(
     err = capsys.readouterr().err
     assert err.startswith("qkv explain: error: ") and err.count("\n") == 1
     assert message in err
+
+
+def test_find_word() -> None:
+    from qkv._cli.explain_audio import find_word
+
+    words = ["The", "cat", "sat.", "It", "was", "tired."]
+    assert find_word(words, None) == (1, "the first content word; --token WORD or #N picks another")
+    assert find_word(["It", "is", "a"], None)[0] == 0  # only function words: the first
+    assert find_word(words, "TIRED")[0] == 5  # case and punctuation ignored
+    assert find_word(words, "#3") == (3, "word #3")
+    with pytest.raises(ValueError, match=r"\.\.\. \(40 more\) \(give one of them"):
+        find_word([f"w{i}" for i in range(100)], "dog")
+    with pytest.raises(ValueError, match="its transcript is empty"):
+        find_word([], None)

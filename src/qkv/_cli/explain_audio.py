@@ -47,8 +47,10 @@ def _bare(word: str) -> str:
     return word.strip().strip(".,!?;:\"'“”()[]{}-").lower()
 
 
-def _word_list(words: list[str]) -> str:
-    return " ".join(f"{i}:{w}" for i, w in enumerate(words))
+def _word_list(words: list[str], limit: int = 60) -> str:
+    """``0:The 1:cat ...``; a long transcript's list ends after ``limit`` words."""
+    shown = " ".join(f"{i}:{w}" for i, w in enumerate(words[:limit]))
+    return shown if len(words) <= limit else f"{shown} ... ({len(words) - limit} more)"
 
 
 def find_word(words: list[str], want: str | None) -> tuple[int, str]:
