@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 FLAGS = [
@@ -197,3 +198,34 @@ class Chromium:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def started() -> Iterator[Chromium]:
+    """A Chromium for a test module (its ``browser`` fixture yields from this), closed after
+    it; without one the test fails with how to get it (or skips with QKV_SKIP_BROWSER=1
+    outside CI)."""
+    import pytest
+
+    def unavailable(why: str) -> None:
+        if os.environ.get("QKV_SKIP_BROWSER") == "1" and not os.environ.get("CI"):
+            pytest.skip(f"{why} (skipped: QKV_SKIP_BROWSER=1 outside CI)")
+        pytest.fail(
+            f"{why}. `make test` installs Chromium as root (apt-get install chromium); outside "
+            f"CI you may skip these tests with QKV_SKIP_BROWSER=1",
+            pytrace=False,
+        )
+
+    path = find_browser()
+    if path is None:
+        unavailable("no Chromium found ($QKV_CHROMIUM, chromium, chromium-browser)")
+    assert path is not None
+    try:
+        b = Chromium(path)
+    except (BrowserError, OSError) as e:
+        unavailable(f"Chromium at {path} did not start: {e}")
+        raise
+    b.send("Network.enable")
+    try:
+        yield b
+    finally:
+        b.close()

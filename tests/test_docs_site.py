@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import qkv
-from _chromium import BrowserError, Chromium, find_browser
+from _chromium import Chromium, started
 
 ROOT = Path(__file__).resolve().parents[1]
 MKDOCS = Path(sys.executable).with_name("mkdocs")
@@ -187,32 +187,9 @@ def test_every_public_name_has_a_docstring_that_states_its_shapes(source_docs: o
 # ------------------------------------------------------------------------------ the browser
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("QKV_SKIP_BROWSER") == "1" and not os.environ.get("CI"):
-        pytest.skip(f"{why} (skipped: QKV_SKIP_BROWSER=1 outside CI)")
-    pytest.fail(
-        f"{why}. `make test` installs Chromium as root (apt-get install chromium); outside CI "
-        f"you may skip these tests with QKV_SKIP_BROWSER=1",
-        pytrace=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Chromium]:
-    path = find_browser()
-    if path is None:
-        _unavailable("no Chromium found ($QKV_CHROMIUM, chromium, chromium-browser)")
-    assert path is not None
-    try:
-        b = Chromium(path)
-    except (BrowserError, OSError) as e:
-        _unavailable(f"Chromium at {path} did not start: {e}")
-        raise
-    b.send("Network.enable")
-    try:
-        yield b
-    finally:
-        b.close()
+    yield from started()
 
 
 def _requests(b: Chromium) -> list[str]:

@@ -12,7 +12,6 @@ machine where ``CI`` is not set; in CI that variable is ignored.
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,39 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from _chromium import BrowserError, Chromium, find_browser
+from _chromium import Chromium, started
 from qkv.viz import AttentionMaps, html
 
 HOSTILE = "<script>alert(1)</script> <img src=x onerror=alert(1)> The cat sat because it was tired."
 QKV = str(Path(sys.executable).with_name("qkv"))
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("QKV_SKIP_BROWSER") == "1" and not os.environ.get("CI"):
-        pytest.skip(f"{why} (skipped: QKV_SKIP_BROWSER=1 outside CI)")
-    pytest.fail(
-        f"{why}. `make test` installs Chromium as root (apt-get install chromium); outside CI "
-        f"you may skip these tests with QKV_SKIP_BROWSER=1",
-        pytrace=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Chromium]:
-    path = find_browser()
-    if path is None:
-        _unavailable("no Chromium found ($QKV_CHROMIUM, chromium, chromium-browser)")
-    assert path is not None
-    try:
-        b = Chromium(path)
-    except (BrowserError, OSError) as e:
-        _unavailable(f"Chromium at {path} did not start: {e}")
-        raise
-    b.send("Network.enable")
-    try:
-        yield b
-    finally:
-        b.close()
+    yield from started()
 
 
 @pytest.fixture(scope="module")
