@@ -37,13 +37,16 @@ def _int8_works() -> bool:
 class LightLogits:
     """Argmax of ``state @ weight.T`` over the tokens not in ``suppressed``, exact.
 
-    ``weight [V, d]``: the tied embedding. ``int8=None`` picks int8 where it works."""
+    ``weight [V, d]``: the tied embedding. ``int8=None`` picks int8 on the CPU where this
+    torch has the operator, float16 otherwise."""
 
     def __init__(self, weight: Tensor, *, int8: bool | None = None) -> None:
         self.weight = weight
         self.source = (weight.data_ptr(), weight.device, weight.dtype)  # rebuilt if it moves
         w = weight.detach().float()
-        self.int8 = _int8_works() if int8 is None else int8
+        if int8 is None:  # the int8 product is measured on the CPU only
+            int8 = weight.device.type == "cpu" and _int8_works()
+        self.int8 = int8
         if self.int8:
             # one bfloat16 scale per row, rounded up so that |w / scale| <= 127: each weight is
             # then within scale/2 of its int8 value (plus float32 rounding of w / scale, 2^-17)
