@@ -25,6 +25,7 @@ SLOW_PAGES = {
     "guides/hf.md",
     "guides/inspect.md",
     "guides/compile.md",
+    "cross-attention.md",
 }
 
 

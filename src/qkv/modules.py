@@ -255,7 +255,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
                 self-attention decoding: the new keys/values are appended and the queries
                 attend to everything cached. Masks and score_mods then see *absolute*
                 positions (see :class:`qkv.KVCache`). For cross-attention, a
-                :class:`qkv.cross_cache.CrossKVCache` projects the context once and reuses it.
+                :class:`qkv.CrossKVCache` projects the context once and reuses it.
             need_weights: also return the attention weights ``[B, H, Lq, Lk]``: the softmax
                 probabilities, rebuilt exactly from the lse of the same :func:`qkv.attention`
                 call (:func:`qkv.inspect.weights`), so the fast backend still computes the
@@ -291,7 +291,7 @@ class MultiHeadAttention(nn.Module, _recording.AttentionLayer):
             if x_kv is not None:
                 raise ValueError(
                     "a KV cache is for self-attention decoding (x_kv=None); for cross-attention "
-                    "pass a qkv.cross_cache.CrossKVCache (the context projected once)"
+                    "pass a qkv.CrossKVCache (the context projected once)"
                 )
             w = self.k_proj.weight
             # The cache is this step's alone until _end_step below (others are refused).
