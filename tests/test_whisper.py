@@ -222,6 +222,29 @@ def test_every_attention_is_qkv_and_recorded(asr: SpeechRecognizer, audio: dict)
         assert rec[name].weights().shape[-1] == 1500
 
 
+def test_decoder_step_equals_states(asr: SpeechRecognizer, audio: dict) -> None:
+    """The greedy loop's one-token step (q/k/v in one product, no module calls) computes the
+    states of the module path, on the same qkv caches; a recorded run takes the module path."""
+    dec, tok = asr.decoder, asr.tokenizer
+    mel = log_mel(audio[CLIPS[0]])
+    mel = torch.nn.functional.pad(mel, (0, 3000 - mel.shape[1]))
+    with torch.inference_mode():
+        enc = asr.encoder(mel[None])
+        prompt = torch.tensor([[tok.sot, tok.no_timestamps]])
+        a, b = dec.new_caches(), dec.new_caches()
+        dec.states(prompt, enc, caches=a)
+        dec.states(prompt, enc, caches=b)
+        assert dec.can_step()
+        for t in (440, 3797, 13):
+            want = dec.states(torch.tensor([[t]]), enc, caches=a)[0]
+            got = dec.step(t, enc, b)
+            assert got.shape == want.shape == (1, 1, asr.config.d_model)
+            assert (got - want).abs().max() < 1e-4
+        assert a[0][0].length == b[0][0].length == 5
+    with qkv.inspect.record(asr):
+        assert not dec.can_step()
+
+
 def test_bad_inputs_fail_with_one_line(asr: SpeechRecognizer, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no such audio file: 'missing\.wav'"):
         asr.transcribe("missing.wav")

@@ -3,9 +3,11 @@
 Greedy decoding needs only the argmax of ``state @ embedding.T`` (51864 x 384 in tiny.en).
 A light copy of the embedding gives approximate logits with a proven error bound per token;
 every token whose approximate logit could, within its bound, reach the best one is recomputed
-in float64, and the best of those wins (the lowest id on a tie). That is the argmax of the
-exact logits, which the float32 product's ``argmax`` also finds unless two logits are within
-its rounding (~1e-6) of each other, where the float32 answer depends on summation order.
+in float64 (the int8 bounds let hundreds through: they are first narrowed by float32 logits
+with a bound on float32's rounding), and the best of those wins (the lowest id on a tie).
+That is the argmax of the exact logits, which the float32 product's ``argmax`` also finds
+unless two logits are within its rounding (~1e-6) of each other, where the float32 answer
+depends on summation order.
 
 The copy is int8 with one scale per row (20 MB, through ``aten::_weight_int8pack_mm`` with
 bfloat16 activations) where this torch has the operator, else float16 (40 MB). One thread,
@@ -88,6 +90,16 @@ class LightLogits:
             bound = 2.0**-10 * (s.norm() * self.norms + approx.abs()) + 1e-3
         approx[suppressed] = -torch.inf
         cand = (approx + bound >= (approx - bound).max()).nonzero()[:, 0]  # ascending ids
+        if self.int8 and cand.numel() > 64:  # (hundreds: loose bounds): narrowed in float32
+            rows = self.weight[cand].detach().float()  # [candidates, d]
+            y = rows @ s.float()
+            # a float32 dot product of d terms, in any order: |error| <= d 2^-24 / (1 - d 2^-24)
+            # sum |w_i s_i| <= that times |w||s| (Higham 3.5), taken twice over (which also
+            # covers rounding in the norms, upper bounds of |w|), plus 1e-6
+            d = rows.shape[1]
+            gamma = 2 * d * 2.0**-24 / (1 - d * 2.0**-24)
+            b = (gamma * float(s.float().norm())) * self.norms[cand] + 1e-6
+            cand = cand[y + b >= (y - b).max()]  # still ascending
         # float64 products summed row by row, the same way for every row: equal rows give
         # equal logits, so a tie goes to the lowest id
         exact = (self.weight[cand].double() * s.double()).sum(-1)  # [candidates]

@@ -134,6 +134,7 @@ class SpeechRecognizer(nn.Module):
         scored = no_speech > NO_SPEECH
         tokens: list[int] = []
         logprob = 0.0
+        fast = dec.can_step()
         for step in range(MAX_NEW_TOKENS):
             if step > 0 and not scored:
                 nxt = self._light_argmax(states[0, -1], first=False)
@@ -149,7 +150,10 @@ class SpeechRecognizer(nn.Module):
             tokens.append(nxt)
             if step + 1 == MAX_NEW_TOKENS:
                 break
-            states, _ = dec.states(torch.tensor([[nxt]]), audio, caches=caches)
+            if fast:
+                states = dec.step(nxt, audio, caches)  # [1, 1, d]
+            else:
+                states, _ = dec.states(torch.tensor([[nxt]]), audio, caches=caches)
             if scored:
                 logits = dec.logits(states[0, -1])  # [vocab]
         silent = no_speech > NO_SPEECH and logprob / (len(tokens) + 1) < LOGPROB
