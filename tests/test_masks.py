@@ -159,3 +159,21 @@ def test_builtins_work_in_attention_and_are_printable():
     for s in [qkv.alibi(qkv.alibi_slopes(2)), qkv.softcap(5.0)]:
         assert repr(s).startswith("qkv.")
         assert math.isfinite(float(qkv.attention(q, q, q, score_mod=s).sum()))
+
+
+def test_a_padding_mask_pickles_and_keeps_its_name():
+    """Its name is made from its tensors when first shown (nothing made inside a compiled
+    function reads them), and the mask pickles like every built-in."""
+    import pickle
+
+    for m in (
+        qkv.padding(torch.tensor([3, 5])),
+        qkv.padding(torch.tensor([3, 5]), start=torch.tensor([2, 0])),
+    ):
+        back = pickle.loads(pickle.dumps(m))
+        assert repr(back) == repr(m)
+        b, h, qi, ki = index_tensors(2, 1, 4, 5)
+        assert torch.equal(back(b, h, qi, ki), m(b, h, qi, ki))
+    assert repr(qkv.padding(torch.tensor([3, 5]), start=torch.tensor([2, 0]))) == (
+        "qkv.padding([3, 5], start=[2, 0])"
+    )

@@ -125,11 +125,9 @@ class _KvBelow(_BuiltinMask):
     """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
     ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
 
-    def __init__(
-        self, limit: int | Tensor, name: str | Callable[[], str], start: Tensor | None = None
-    ) -> None:
-        # a name may be made when first shown: it reads the lengths' values (.tolist()),
-        # which inside a compiled function would break the graph
+    def __init__(self, limit: int | Tensor, name: str | None, start: Tensor | None = None) -> None:
+        # name None: a padding mask, named from its tensors when first shown (reading their
+        # values inside a compiled function would break the graph)
         self.limit, self._name_of, self.start = limit, name, start
         # copies per device, with the version of the tensor they copied: an in-place edit of
         # the lengths makes a new copy instead of leaving a stale one
@@ -167,7 +165,13 @@ class _KvBelow(_BuiltinMask):
 
     @property
     def _name(self) -> str:
-        return self._name_of if isinstance(self._name_of, str) else self._name_of()
+        if self._name_of is not None:
+            return self._name_of
+        assert isinstance(self.limit, Tensor)
+        if self.start is None:
+            return f"qkv.padding({self.limit.tolist()})"
+        lengths = (self.limit - self.start).tolist()
+        return f"qkv.padding({lengths}, start={self.start.tolist()})"
 
     def __repr__(self) -> str:
         return self._name
@@ -191,8 +195,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
     """
     _check_counts("padding lengths", lengths)
     if start is None:
-        kept = lengths.detach()
-        return _KvBelow(kept, lambda: f"qkv.padding({kept.tolist()})")
+        return _KvBelow(lengths.detach(), None)
     _check_counts("padding start", start)
     if start.shape != lengths.shape:
         raise ValueError(
@@ -200,10 +203,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
             f"{tuple(lengths.shape)}; give one start per batch element"
         )
     end = (start.to(torch.int64) + lengths.to(torch.int64)).detach()
-    begin = start.detach().to(torch.int64)
-    return _KvBelow(
-        end, lambda: f"qkv.padding({(end - begin).tolist()}, start={begin.tolist()})", begin
-    )
+    return _KvBelow(end, None, start.detach().to(torch.int64))
 
 
 def _check_counts(what: str, t: object) -> None:
