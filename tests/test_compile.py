@@ -364,3 +364,27 @@ def test_a_padding_mask_made_inside_the_compiled_function_traces():
     torch.testing.assert_close(g(q, k, v, lengths), f(q, k, v, lengths), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="padding lengths must be >= 0"):
         g(q, k, v, torch.tensor([-1, SHAPE.Lk]))
+
+
+def test_mods_decided_eagerly_and_then_collected_do_not_touch_a_compiled_graph():
+    """Eager calls remember each user mod's calling convention in a weak dictionary; a trace
+    must not guard on it, or collecting another mod recompiles (or, mid-trace, fails)."""
+    import gc
+
+    q, k, v = make_qkv(SHAPE, gen=9)
+
+    def make(c):
+        return lambda s, b, h, qi, ki: s + c * (qi - ki)
+
+    mods = [make(0.01 * i) for i in range(6)]
+    for m in mods:
+        qkv.attention(q, k, v, score_mod=m)  # decided eagerly, remembered
+    keep = mods[-1]
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(qkv.attention, backend=counter, fullgraph=True)
+    want = f(q, k, v, score_mod=keep)
+    del mods[:-1]
+    gc.collect()
+    torch.testing.assert_close(f(q, k, v, score_mod=keep), want)
+    assert counter.frame_count == 1, counter.frame_count

@@ -269,7 +269,12 @@ _decided: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], str | None]] = (
 
 
 def _known(kind: str, fn: Any, device_type: str) -> Any:
-    """What to call for ``fn`` if its convention was decided before, else ``None``."""
+    """What to call for ``fn`` if its convention was decided before, else ``None``. Not read
+    while dynamo traces: it would guard on the weak dictionary's keys, which change whenever
+    another mod is garbage-collected (a recompile, or a failed guard if that happens during
+    the trace); the trace decides by what broadcasting returns."""
+    if torch.compiler.is_compiling():
+        return None
     try:
         known = _decided.get(fn)
     except TypeError:  # unhashable, or not weakly referenceable: decided every call
