@@ -66,7 +66,7 @@ browser:
 # The oracle matrices again as a CPU without AVX-512 runs them, on a machine that has it
 # (a GQA gradient failed the oracle test on CPUs without AVX-512). ATen's kernels at
 # AVX2; MKL's and oneDNN's GEMMs at AVX2 (oneMKL honours its variable on Intel CPUs only);
-# qkv's compiled kernels built for AVX2 (qkv/native.py names its cache folder by torch's
+# qkv's compiled kernels built for AVX2 (qkv/native/ names its cache folder by torch's
 # capability, so the builds sit side by side). Elsewhere the normal run above is already
 # the AVX2 (or plain) one. Left out of the rerun (a third of its time): the
 # matrix's "reference" backend (the plain formula the tolerance is measured against) and
