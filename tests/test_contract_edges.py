@@ -219,7 +219,7 @@ def test_huge_logit_gradients_on_auto_are_as_exact_as_plain_autograd(L: int, mas
 
 
 def test_a_kept_sdpa_decision_is_not_reused_for_huge_logits():
-    """Repeat calls reuse a signature's route (qkv._plain): a first call with ordinary
+    """Repeat calls reuse a signature's plan (qkv.planner): a first call with ordinary
     logits keeps SDPA's; a later call of the same shapes with huge logits must not run it."""
     shape = Shape(1, 2, 2, 48, 48, 32)
     q, k, v = make_qkv(shape, gen=8, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Repeat calls (qkv._plain): a kept decision must never outlive what it was made from.
+"""Repeat calls (plans kept by signature): a kept decision must never outlive what it was made from.
 
 A call's route is kept per signature and rerun from the tensors alone; masks that carry
 tensors (document ids, padding lengths) are keyed on those tensors' versions, so editing them
@@ -27,9 +27,9 @@ def _close(a, b) -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    qkv._plain._ROUTES.clear()
+    qkv.planner._KEPT.clear()
     yield
-    qkv._plain._ROUTES.clear()
+    qkv.planner._KEPT.clear()
 
 
 def test_a_document_mask_edited_in_place_is_a_new_signature():
@@ -38,7 +38,7 @@ def test_a_document_mask_edited_in_place_is_a_new_signature():
     mask = qkv.document(ids)
     for _ in range(2):  # the second call runs the kept runner
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv._plain._ROUTES) == 1
+    assert len(qkv.planner._KEPT) == 1
     ids[:20] = 7  # in place: the same mask object, other documents
     assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
 
@@ -60,7 +60,7 @@ def test_a_decode_step_with_padding_is_kept_and_exact():
     assert qkv.plan(q, k, v, mask=mask).backend == "decode"
     for _ in range(2):
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv._plain._ROUTES) == 1
+    assert len(qkv.planner._KEPT) == 1
     lengths[1] = 7
     assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
 
@@ -72,7 +72,7 @@ def test_a_window_without_gradients_runs_the_band_kernel_directly():
         pytest.skip("the compiled band kernel is unavailable here")
     for _ in range(2):
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv._plain._ROUTES) == 1
+    assert len(qkv.planner._KEPT) == 1
     # with gradients the signature differs, and the full path (with its backward) runs
     qg = q.clone().requires_grad_()
     out = qkv.attention(qg, k, v, mask=mask)
@@ -114,3 +114,143 @@ def test_masks_made_under_inference_mode_take_the_full_path():
         ids[:20] = 5  # in place, inside inference mode
         mask = qkv.document(ids)
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
+
+
+# ---------------------------------------------------- the decision apart from the tensors
+
+_KEPT_CASES = {
+    "none": lambda L: None,
+    "causal": lambda L: qkv.causal,
+    "window": lambda L: qkv.sliding_window(8),
+    "document_sorted": lambda L: qkv.document(torch.arange(L) // 16),
+    "document_mixed": lambda L: qkv.document(torch.arange(L) % 3),
+    "padding": lambda L: qkv.padding(torch.tensor([40, 48, 30, 20])),
+    "prefix": lambda L: qkv.prefix_lm(10),
+    "causal_documents": lambda L: qkv.and_masks(qkv.causal, qkv.document(torch.arange(L) % 3)),
+}
+_KEPT_SCORES = {
+    "alibi": lambda H: qkv.alibi(qkv.alibi_slopes(H)),
+    "softcap": lambda H: qkv.softcap(5.0),
+    "relative": lambda H: qkv.relative_bias(torch.randn(17, H, requires_grad=True), 8),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", list(_KEPT_CASES))
+def test_a_kept_plan_holds_none_of_the_calls_tensors(case, grad):
+    """Plans are kept under the call's signature, and hold none of the call's tensors: once
+    the caller lets q, k, v (and their gradients) go, they are freed, plan kept or not. Run
+    twice, the second call taking the kept plan, both equal to the oracle."""
+    import gc
+    import weakref
+
+    q, k, v = make_qkv(SMALL, gen=11, requires_grad=grad)
+    mask = _KEPT_CASES[case](48)
+    for _ in range(2):
+        out = qkv.attention(q, k, v, mask=mask)
+        assert _close(out, _oracle(q.detach(), k.detach(), v.detach(), mask))
+        if grad:
+            out.sum().backward()
+    assert any(e is not None for e in qkv.planner._KEPT.values()), "nothing was kept"
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    del q, k, v, out
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True], "a kept plan holds the tensors"
+
+
+@pytest.mark.parametrize("case", list(_KEPT_SCORES))
+def test_a_built_in_score_mod_is_kept_and_bound_per_call(case):
+    """A built-in score_mod is part of the signature weakly: its decision is kept, and each
+    call runs with that call's tensors (the second call's q is another tensor), equal to the
+    oracle, gradients included; the kept plan holds none of them."""
+    import gc
+    import weakref
+
+    mod = _KEPT_SCORES[case](4)
+    for gen in (15, 16):
+        q, k, v = make_qkv(Shape(2, 4, 4, 40, 40, 16), gen=gen, requires_grad=True)
+        out = qkv.attention(q, k, v, mask=qkv.causal, score_mod=mod)
+        ref = qkv.reference.attention(q, k, v, mask=qkv.causal, score_mod=mod)[0]
+        assert _close(out, ref.double())
+        g = torch.autograd.grad(out.sum(), (q, k))
+        g_ref = torch.autograd.grad(ref.sum(), (q, k))
+        assert all(_close(a, b.double()) for a, b in zip(g, g_ref, strict=True))
+    assert any(e is not None for e in qkv.planner._KEPT.values()), "nothing was kept"
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    del q, k, v, out, ref, g, g_ref
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True], "a kept plan holds the tensors"
+
+
+def test_a_repeat_call_is_not_decided_again(monkeypatch):
+    """A kept signature is decided once, also where the route has per-call work (a window
+    with gradients: the door runs, the planner does not); a new ids tensor is a new one."""
+    from qkv import planner
+
+    decided = []
+    real = planner._decide
+    monkeypatch.setattr(planner, "_decide", lambda *a, **kw: decided.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(SMALL, gen=12, requires_grad=True)
+    for mask in (qkv.sliding_window(8), qkv.document(torch.arange(48) % 3)):
+        for _ in range(3):
+            out = qkv.attention(q, k, v, mask=mask)
+            out.sum().backward()
+            assert _close(out, _oracle(q.detach(), k.detach(), v.detach(), mask))
+    assert len(decided) == 2
+    mask = qkv.document(torch.arange(48) % 3)  # same values, another tensor
+    qkv.attention(q, k, v, mask=mask)
+    assert len(decided) == 3
+
+
+def test_huge_logits_keep_a_plan_for_each_answer(monkeypatch):
+    """A decision that read the logits (SDPA's backward loses precision past a bound) is
+    kept per answer: ordinary, huge, and ordinary again each run their own backend, each
+    decided once."""
+    from qkv import planner
+
+    decided = []  # (qkv.plan decides too, with dry_run: not counted)
+    real = planner._decide
+
+    def count(*a, **kw):
+        if not kw["dry_run"]:
+            decided.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(planner, "_decide", count)
+    shape = Shape(1, 2, 2, 48, 48, 32)
+    q, k, v = make_qkv(shape, gen=13, requires_grad=True)
+    huge = [(t.detach() * 100).requires_grad_() for t in (q, k)]
+    backends = []
+    for qq, kk in ((q, k), huge, (q, k), huge):
+        qkv.attention(qq, kk, v, mask=qkv.causal).sum().backward()
+        backends.append(qkv.plan(qq, kk, v, mask=qkv.causal).backend)
+    assert backends == ["sdpa", "blocksparse", "sdpa", "blocksparse"]
+    assert len(decided) == 2
+    by_answer = sorted(
+        (key[1], e.plan.backend) for key, e in planner._KEPT.items() if isinstance(key[1], bool)
+    )
+    assert by_answer == [(False, "sdpa"), (True, "blocksparse")]
+
+
+@pytest.mark.parametrize("case", list(_KEPT_CASES))
+def test_a_calls_signature_equals_its_problems(case):
+    """The signature made from a call's arguments (the repeat-call path, before any check)
+    is the one the planner keeps the validated problem's plan under."""
+    from qkv import planner
+    from qkv._core.problem import validate
+    from qkv._planning import signature
+
+    q, k, v = make_qkv(SMALL, gen=14)
+    mask = _KEPT_CASES[case](48)
+    limit = planner.dense_limit()
+    for grad in (False, True):
+        qq = q.clone().requires_grad_(grad)
+        of_call = signature.of_call(qq, k, v, mask, None, False, "auto", limit)
+        of_problem = signature.of_problem(validate(qq, k, v, mask=mask), "auto", limit)
+        assert of_call is not None and of_call == of_problem and hash(of_call) == hash(of_problem)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
+        assert signature.of_call(q, k, v, mask, None, False, "auto", limit) != of_call
+    finally:
+        torch.set_num_threads(threads)

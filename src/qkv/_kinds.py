@@ -5,7 +5,7 @@
 (tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
 and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, the built-in
 classes are known here, in :mod:`qkv._kindspec` (which rebuilds kinds from specs) and in
-:mod:`qkv._plain` (which keys its cache on a band, a document or a padding mask).
+:mod:`qkv._planning.signature` (which makes tokens of a band, a document or a padding mask).
 
 Combinations of built-ins are simplified to the kind they are, so that they reach the same
 kernels as the mask they equal::
@@ -22,6 +22,7 @@ broadcastable index tensors) for the paths that evaluate positions.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -344,3 +345,57 @@ def classify_score(score_mod: object) -> ScoreKind:
         f"score_mod must be None, a float bias tensor, or a callable "
         f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"
     )
+
+
+# --------------------------------------------------------------------- signatures
+
+_NONE = ()  # the token of no mask
+
+
+def mask_token(mask: object) -> object | None:
+    """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
+    its decision would read values that cannot be watched: a built-in band as itself (it
+    holds no tensors); a document or padding mask weakly, with its tensors' tokens."""
+    if mask is None:
+        return _NONE
+    kind = type(mask)
+    if kind is _Band:
+        return mask  # no tensors, nothing in it changes
+    if kind is _Document:
+        ids = tensor_token(mask.ids)  # type: ignore[attr-defined]
+        return None if ids is None else (weakref.ref(mask), ids)
+    if kind is _KvBelow:
+        limit = mask.limit  # type: ignore[attr-defined]
+        start = mask.start  # type: ignore[attr-defined]
+        tensors = [t for t in (limit, start) if isinstance(t, Tensor)]
+        if any(t.is_inference() for t in tensors):
+            return None  # (no version counter)
+        values = [tensor_token(t) if isinstance(t, Tensor) else t for t in (limit, start)]
+        return (weakref.ref(mask), *values)
+    if kind is _And or kind is _Or:  # (prefix_lm is one): when every part has a token
+        parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
+        return None if None in parts else (weakref.ref(mask), parts)
+    return None
+
+
+def score_token(score: object) -> object | None:
+    """A score as part of a call's signature: none; a bias tensor by its token; a built-in
+    score_mod (ALiBi, softcap, relative bias) weakly: the decision reads its kind, never its
+    tensors (each call's are bound when it runs). ``None`` for a user's score_mod."""
+    if score is None:
+        return _NONE
+    if isinstance(score, Tensor):
+        token = tensor_token(score)
+        return None if token is None else ("bias", token)
+    if type(score) in (_Alibi, _Softcap, _RelativeBias):
+        return weakref.ref(score)
+    return None
+
+
+def tensor_token(t: Tensor) -> tuple[object, ...] | None:
+    """``(identity, version counter, weak reference)``: equal only for the same living tensor
+    unedited since. The identity comes first, so tokens of different tensors never compare
+    the tensors themselves. ``None`` for an inference tensor (it has no version counter)."""
+    if t.is_inference():
+        return None
+    return (id(t), t._version, weakref.ref(t))

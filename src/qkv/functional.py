@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _plain, _recording, planner
+from . import _recording, planner
 from ._core.problem import validate
+from ._planning import signature
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
@@ -76,12 +77,12 @@ def attention(
         torch.Size([2, 8, 128, 64])
     """
     recorder = _recording.current()  # qkv.inspect.record(): None unless recording
-    key = None
     if score_mod is None and recorder is None and _no_dropout(dropout_p):
-        key = _plain.signature(q, k, v, mask, scale, return_lse, backend)
-        runner = None if key is None else _plain.lookup(key)
-        res = None if runner is None else runner(q, k, v)
-        if res is not None:  # this signature was validated and planned before
+        # A repeat call: its signature's plan was decided (and its arguments checked) before.
+        sig = signature.of_call(q, k, v, mask, scale, return_lse, backend, planner.dense_limit())
+        got = None if sig is None else planner.kept(sig, q, k)
+        res = None if got is None or got.runner is None else got.runner(q, k, v)
+        if res is not None:
             out, lse = res
             return out if not return_lse else (out, lse)  # type: ignore[return-value]
     p = validate(
@@ -94,10 +95,8 @@ def attention(
         dropout_p=dropout_p,
         return_lse=return_lse or recorder is not None,
     )
-    plan = planner.decide(p, backend)  # the one decision: backend, kernels, tiles
-    if key is not None:
-        _plain.keep(key, plan)
-    out, lse = plan.execute()
+    plan = planner.decide(p, backend)  # the one decision (kept under the call's signature)
+    out, lse = plan.execute(p)
     if recorder is not None:
         assert lse is not None, f"backend {plan.backend} returned no lse although it was asked for"
         recorder.observe(p, lse)

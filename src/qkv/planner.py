@@ -10,15 +10,16 @@ problem is a ``ValueError`` that says why.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import torch
 
 from ._core.problem import Problem, validate
-from ._flex.plan import plan_notes
+from ._planning import signature
+from ._planning.about import About, describe
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import Backend, Route, Unavailable
+from .backends.base import HUGE_LOGIT, Backend, Route, Runner, Unavailable, logit_bound
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
@@ -90,7 +91,9 @@ def _check_backend_name(name: object) -> str:
 class Plan:
     """What :func:`qkv.attention` does for one problem: the backend, its forward and backward
     kernels, why the other backends were passed over, and the cost. ``str(plan)`` explains
-    it. The descriptive figures (density, tiles, FLOPs) are computed when first read."""
+    it. A plan holds none of the call's tensors: :func:`qkv.attention` keeps it under the
+    call's signature (``qkv._planning.signature``) and runs it on the next call of that
+    signature with that call's tensors."""
 
     backend: str
     forward: str  # the forward kernel
@@ -98,83 +101,79 @@ class Plan:
     rejected: dict[str, str]
     extra_memory: int  # estimated peak bytes beyond inputs and output
     route_notes: tuple[str, ...] = ()  # the backend's own remarks on its route
-    problem: Problem = field(repr=False)
     route: Route = field(repr=False)
+    # what qkv.plan shows beyond the decision (computed there, from the call's values)
+    about: About | None = field(default=None, repr=False)
 
-    def execute(self) -> tuple[Tensor, Tensor | None]:
-        """Run this plan: ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (or ``None``)."""
-        return BACKENDS[self.backend].run(self.problem, self.route)
+    def execute(self, p: Problem) -> tuple[Tensor, Tensor | None]:
+        """Run this plan on ``p`` (a problem of the signature it was decided for): ``out [B,
+        Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (or ``None``)."""
+        return BACKENDS[self.backend].run(p, self.route)
 
-    # -- description ----------------------------------------------------------------------
+    # -- description (qkv.plan) --------------------------------------------------------------
+
+    def _about(self) -> About:
+        if self.about is None:
+            raise AttributeError(
+                "this plan was made to run a call, not to show one; qkv.plan(q, k, v, ...) "
+                "returns the same decision with its description"
+            )
+        return self.about
 
     @property
     def shape(self) -> dict[str, int]:
-        p = self.problem
-        return {"B": p.B, "Hq": p.Hq, "Hkv": p.Hkv, "Lq": p.Lq, "Lk": p.Lk, "D": p.D, "Dv": p.Dv}
+        return dict(self._about().shape)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.problem.dtype
+        return self._about().dtype
 
     @property
     def mask(self) -> str:
-        return self.problem.mask.name
+        return self._about().mask
 
     @property
     def score_mod(self) -> str:
-        return self.problem.score.name
+        return self._about().score_mod
 
-    @functools.cached_property
+    @property
     def density(self) -> float | None:
         """Fraction of (query, key) pairs the mask lets through; None when unknown cheaply."""
-        return _density(self.problem)
+        return self._about().density
 
-    @functools.cached_property
+    @property
     def block_density(self) -> float | None:
         """Share of the score matrix inside the visible tiles the backend computes."""
         bm = self.route.block
         return None if bm is None else float(bm.block_density())
 
-    @functools.cached_property
+    @property
     def tiles(self) -> str | None:
-        bm = self.route.block
-        if bm is None:
-            return None
-        n = bm.num_blocks
-        bq, bk = bm.block_size
-        text = (
-            f"{n['full'] + n['partial']} of {bm.states.numel()} tiles of {bq}x{bk} computed "
-            f"({n['partial']} partial), {bm.block_density():.1%} of the dense work"
-        )
-        if bm.evaluated:
-            on_meta = self.problem.device.type == "meta"
-            where = "on meta tensors (no data)" if on_meta else "tile by tile"
-            text += f"; evaluated {where}: {', '.join(bm.evaluated)}"
-        return text
+        return self._about().tiles
 
-    @functools.cached_property
+    @property
     def flops(self) -> float:
         """Multiply-adds x2 over the unmasked pairs (forward); over every position of the
         visible tiles when the exact density is unknown."""
-        p = self.problem
+        s = self.shape
         share = self.density if self.density is not None else self.block_density
-        pairs = p.B * p.Hq * p.Lq * p.Lk * (1.0 if share is None else share)
-        return 2.0 * pairs * (p.D + p.Dv)
+        pairs = s["B"] * s["Hq"] * s["Lq"] * s["Lk"] * (1.0 if share is None else share)
+        return 2.0 * pairs * (s["D"] + s["Dv"])
 
-    @functools.cached_property
+    @property
     def notes(self) -> list[str]:
         """Everything worth saying beyond the lines above: the backend's remarks, what is
         not known about the mask's density, mods evaluated through vmap and their cost (a
-        score_mod not called yet is decided here, on a few real positions)."""
+        score_mod not called yet is decided by qkv.plan, on a few real positions)."""
         notes = list(self.route_notes)
         if self.density is None and self.block_density is not None:
             notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
         elif self.density is None:
             notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
-        return notes + plan_notes(self.problem)
+        return notes + list(self._about().mod_notes)
 
     def __str__(self) -> str:
-        notes = self.notes  # first: it decides a score_mod, which is then named by how it runs
+        notes = self.notes
         s = self.shape
         dens = "unknown" if self.density is None else f"{self.density:.1%}"
         lines = [
@@ -195,28 +194,67 @@ class Plan:
         return "\n".join(lines)
 
 
-def _density(p: Problem) -> float | None:
-    """Exact fraction of visible pairs for band masks and tensors; None when unknown cheaply."""
-    m, n = p.mask, p.Lq * p.Lk
-    if m.kind == "none":
-        return 1.0
-    if n == 0:
-        return 0.0
-    if m.tensor is not None:
-        if m.tensor.device.type == "meta":
-            return None
-        return float(m.tensor.expand(p.shape).float().mean()) if m.tensor.numel() else 0.0
-    if m.is_band:
-        i = torch.arange(p.Lq, dtype=torch.float64)
-        lo = (i + (m.lo if m.lo is not None else -p.Lk)).clamp(0, p.Lk)
-        hi = (i + (m.hi if m.hi is not None else p.Lk) + 1).clamp(0, p.Lk)
-        return float((hi - lo).clamp(min=0).sum()) / n
-    return None
-
-
 def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Plan:
     """The plan for a validated problem: which backend, which kernels, why not the others.
-    ``dry_run`` (for :func:`qkv.plan`) builds nothing that takes long (no compiler)."""
+    A plan decided for a problem with a signature (``qkv._planning.signature``) is kept
+    under it, and a later problem of the same signature gets it without a decision.
+    ``dry_run`` (for :func:`qkv.plan`) builds nothing that takes long (no compiler), keeps
+    nothing and describes the call."""
+    if dry_run:
+        plan = _decide(p, backend, dry_run=True)
+        return replace(plan, about=describe(p, plan.route))
+    sig = signature.of_problem(p, backend, _limit["bytes"])
+    if sig is not None:
+        got = kept(sig, p.q, p.k)
+        if got is not None:
+            return got.plan
+    plan = _decide(p, backend, dry_run=False)
+    if sig is not None:
+        _keep(sig, plan, p)
+    return plan
+
+
+class Kept(NamedTuple):
+    """A plan kept under a signature, and its route as a function of the tensors alone when
+    the backend gives one (:meth:`qkv.backends.base.Backend.runner`)."""
+
+    plan: Plan
+    runner: Runner | None
+
+
+_KEPT: dict[object, Kept | None] = {}  # signature (or (signature, huge logits)) -> kept plan
+_MISSING: Any = object()
+_BY_LOGITS = None  # kept under a signature whose decision read the logits: look up per answer
+_MAX_KEPT = 512  # a model's layers share one signature; decoding adds one per cache length
+
+
+def kept(sig: signature.Signature, q: Tensor, k: Tensor) -> Kept | None:
+    """The plan kept for ``sig`` (``q`` and ``k``: the call's, for a decision that read the
+    logits), or ``None``."""
+    got = _KEPT.get(sig, _MISSING)
+    if got is _BY_LOGITS:
+        got = _KEPT.get((sig, logit_bound(q, k, sig.scale) > HUGE_LOGIT), _MISSING)
+    return None if got is _MISSING else got
+
+
+def clear_kept() -> None:
+    """Forget every kept plan (the next call of each signature is decided again)."""
+    _KEPT.clear()
+
+
+def _keep(sig: signature.Signature, plan: Plan, p: Problem) -> None:
+    if len(_KEPT) >= _MAX_KEPT:
+        _KEPT.clear()
+    entry = Kept(plan, BACKENDS[plan.backend].runner(p, plan.route))
+    huge = p.reads.get("huge_logits")
+    if huge is None:
+        _KEPT[sig] = entry
+    else:
+        _KEPT[sig] = _BY_LOGITS
+        _KEPT[(sig, huge)] = entry
+
+
+def _decide(p: Problem, backend: object, *, dry_run: bool) -> Plan:
     name = _check_backend_name(backend)
     rejected: dict[str, str] = {}
     if name != "auto":
@@ -227,7 +265,7 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
         if why is not None:
             raise ValueError(f"backend {name!r} cannot compute this problem: {why}")
         others = {n: "not requested (backend was named explicitly)" for n in BACKENDS if n != name}
-        return _plan(b, route, others, p)
+        return _plan(b, route, others)
     # Claims are preferences: when the backend that claimed a problem cannot take it after all
     # (over the dense limit, a failed build), a second pass ignores them.
     for claims in (True, False):
@@ -238,7 +276,7 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
             if why is None:
                 route, why = _route(b, p, dry_run)
                 if why is None:
-                    return _plan(b, route, rejected, p)
+                    return _plan(b, route, rejected)
             rejected[n] = why
     lines = "; ".join(f"{n}: {w}" for n, w in rejected.items())
     raise ValueError(f"no backend can compute this problem within the limits ({lines})")
@@ -257,7 +295,7 @@ def _route(b: Backend, p: Problem, dry_run: bool) -> tuple[Route, str | None]:
 _NO_ROUTE = Route(forward="", backward="", extra_memory=0)
 
 
-def _plan(b: Backend, route: Route, rejected: dict[str, str], p: Problem) -> Plan:
+def _plan(b: Backend, route: Route, rejected: dict[str, str]) -> Plan:
     return Plan(
         backend=b.name,
         forward=route.forward,
@@ -265,7 +303,6 @@ def _plan(b: Backend, route: Route, rejected: dict[str, str], p: Problem) -> Pla
         rejected=rejected,
         extra_memory=route.extra_memory,
         route_notes=route.notes,
-        problem=p,
         route=route,
     )
 

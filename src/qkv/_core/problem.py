@@ -8,7 +8,7 @@ typed fields and never look at what the user passed again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,9 @@ class Problem:
     dropout_p: float
     return_lse: bool
     orig_ndim: int
+    # What the decision read from the tensors' values (the planner keeps the plan per answer):
+    # "huge_logits", set by qkv.backends.base.imprecise_backward.
+    reads: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def B(self) -> int:

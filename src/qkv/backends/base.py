@@ -88,11 +88,11 @@ class Backend(ABC):
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
         """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
-        signature with no score_mod and no mask or a band mask (:mod:`qkv._plain`): everything
-        but the tensors is bound once. ``None`` (the default) when the route holds per-call
-        work. A runner returns what :meth:`run` returns (``lse`` may be given even when not
-        asked for), or ``None`` when these tensors' values call for another decision (the
-        caller then takes the full path)."""
+        signature (:mod:`qkv._planning.signature`): everything but the tensors is bound once.
+        ``None`` (the default) when the route holds per-call work. A runner returns what
+        :meth:`run` returns (``lse`` may be given even when not asked for), or ``None`` when
+        these tensors' values call for another decision (the caller then takes the full
+        path)."""
         return None
 
 
@@ -145,7 +145,11 @@ def imprecise_backward(p: Problem) -> str | None:
     or ``None``."""
     if not p.requires_grad():
         return None
-    bound = logit_bound(p.q, p.k, p.scale)
+    bound = p.reads.get("logit_bound")
+    if not isinstance(bound, float):
+        bound = logit_bound(p.q, p.k, p.scale)
+        p.reads["logit_bound"] = bound  # (read once per problem, by any backend)
+    p.reads["huge_logits"] = bound > HUGE_LOGIT  # the planner keeps the plan per answer
     if bound <= HUGE_LOGIT:
         return None
     return (

@@ -147,13 +147,13 @@ class SdpaBackend(Backend):
         gqa, scale = p.groups > 1, p.scale
         causal = p.mask.kind == "causal" and not _explicit_causal(p)
         # Any other mask as the dense tensor run() would build, once: the caller keys a kept
-        # runner on the mask object and its tensors' versions (qkv._plain), so it stays valid.
+        # runner on the mask object and its tensors' versions (qkv._planning.signature), so it
+        # stays valid.
         attn = None if p.mask.kind == "none" or causal else dense_mask(p)
-        graded = p.requires_grad()
+        # (a call whose gradients SDPA's backward would get imprecisely, with huge logits,
+        # is not this runner's: the planner keeps plans per answer of that check)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None] | None:
-            if graded and logit_bound(q, k, scale) > HUGE_LOGIT:
-                return None  # SDPA's backward would lose precision: the planner decides again
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn, is_causal=causal, scale=scale, enable_gqa=gqa
             )  # [B, Hq, Lq, Dv]

@@ -109,7 +109,7 @@ class BlocksparseBackend(Backend):
             extra_memory=_extra_memory(p),
             block=block,
             notes=tuple(notes),
-            detail=job,
+            detail=job.unbound(),  # (a plan holds none of the call's tensors)
         )
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
@@ -128,7 +128,7 @@ class BlocksparseBackend(Backend):
 
             m, s = p.mask.source, p.score.source
             return eagerly(self, p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
-        job: Job = route.detail
+        job: Job = route.detail.for_run(call=p)
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
         q, k, v = p.q, p.k, p.v

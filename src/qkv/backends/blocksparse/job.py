@@ -139,11 +139,11 @@ EMPTY_SCHEDULE = Schedule([], [])
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Job:
     """Everything the kernels need for one call besides the tensors: the route the plan chose
-    (``route``, a :data:`JobRoute`), its schedule and the mask and score sources. Frozen:
-    the plan decides it once; ``run`` adds the per-call values (dropout seed, the tensors a
-    score_mod closes over) with :meth:`for_run`."""
+    (``route``, a :data:`JobRoute`), its schedule, and where the mask and score come from.
+    Frozen: the plan decides it once and keeps it unbound (no problem, so none of the call's
+    tensors); ``run`` binds each call's problem and per-call values (dropout seed, the tensors
+    a score_mod closes over) with :meth:`for_run`."""
 
-    p: Problem
     route: JobRoute
     fused: bool  # torch's fused CPU flash kernel per piece (else explicit matmuls)
     segments: tuple[Segment, ...] = ()  # mask-free fused calls covering the problem
@@ -152,12 +152,11 @@ class Job:
     # first use so that inference never plans it.
     bwd_build: Callable[[], Schedule] | None = None
     native_band: tuple[int, int] | None = None  # (lo, hi) for the compiled band kernel
-    mask: MaskKind | None = None  # evaluated on partial tiles (None: every tile is full)
-    bias: Tensor | None = None  # 4-D float bias
-    score_mod: Any = None  # callable or None
+    masked: bool = False  # the mask is evaluated on partial tiles (else every tile is full)
     mask_dims: tuple[int, int] = (1, 1)  # (b', h') the mask varies over
     block: BlockMask | None = None  # the tile plan the schedule was cut from
     # Per call (for_run):
+    call: Problem | None = None  # the problem it runs
     seed: int = 0  # dropout seed (drawn from torch's default generator)
     params: tuple[Tensor, ...] = ()  # tensors a score_mod closes over
     watch: Watch | None = None
@@ -171,6 +170,34 @@ class Job:
         if all(v is None or v == 0 or v == () for v in per_call.values()):
             return self
         return replace(self, **per_call)
+
+    def unbound(self) -> Job:
+        """This job without its call (what a plan keeps); its schedules are shared."""
+        job = replace(self, call=None, params=(), watch=None, seed=0)
+        if "bwd" in self.__dict__:
+            job.__dict__["bwd"] = self.__dict__["bwd"]
+        return job
+
+    @property
+    def p(self) -> Problem:
+        """The problem of the call this job runs."""
+        assert self.call is not None, "a kept job runs bound to its call (Job.for_run(call=p))"
+        return self.call
+
+    @property
+    def mask(self) -> MaskKind | None:
+        """The mask evaluated on partial tiles (``None``: every tile is full)."""
+        return self.p.mask if self.masked else None
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The 4-D float bias, or ``None``."""
+        return self.p.score.bias
+
+    @property
+    def score_mod(self) -> Any:
+        """The callable score_mod, or ``None``."""
+        return self.p.score.score_mod
 
     # -- masks -------------------------------------------------------------------------
 

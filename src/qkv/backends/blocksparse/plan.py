@@ -43,12 +43,12 @@ def make_job(p: Problem, *, matmul: bool = False, dry_run: bool = False) -> Job:
     if plain and p.Lk > 0:
         segments = _segments(p)
         if segments:
-            return Job(p=p, route="segments", fused=True, segments=tuple(segments))
+            return Job(call=p, route="segments", fused=True, segments=tuple(segments))
     if plain and native_band(p, build=not dry_run) is None:
         lo, hi = p.mask.lo, p.mask.hi
         assert lo is not None and hi is not None
         # The compiled band kernel computes the forward and the backward (backward.py).
-        return Job(p=p, route="native_band", fused=True, native_band=(lo, hi), mask=p.mask)
+        return Job(call=p, route="native_band", fused=True, native_band=(lo, hi), masked=True)
     return _torch_job(p, fused)
 
 
@@ -108,14 +108,20 @@ def _torch_job(p: Problem, fused: bool) -> Job:
         fine = -(-p.Lq // schedule.FWD_BAND_BLOCK) * -(-p.Lk // schedule.FWD_BAND_BLOCK)
         b_fwd = schedule.FWD_BAND_BLOCK if fine <= 1 << 24 else DEFAULT_BLOCK
         return Job(
-            p=p,
+            call=p,
             route="band_groups",
             fused=True,
             fwd=schedule.band_schedule(m.lo, m.hi, p, b_fwd),
             bwd_build=functools.partial(
-                schedule.band_bwd_schedule, m.lo, m.hi, p, schedule.BWD_BAND_BLOCK
+                schedule.band_bwd_schedule,
+                m.lo,
+                m.hi,
+                p.Lq,
+                p.Lk,
+                schedule.row_elems(p),
+                schedule.BWD_BAND_BLOCK,
             ),
-            mask=m,
+            masked=True,
         )
     bm = block_mask_of(p)
     bq, bk = bm.block_size
@@ -125,16 +131,14 @@ def _torch_job(p: Problem, fused: bool) -> Job:
     grouped = plain and m.is_band and md == (1, 1) and p.Hq == p.Hkv and bq == bk
     elems = schedule.row_elems(p)
     return Job(
-        p=p,
+        call=p,
         route="band_groups" if grouped else "pieces",
         fused=fused,
         fwd=schedule.schedule(bm, max_span, bq if grouped else 0, elems),
         bwd_build=(
             functools.partial(schedule.key_schedule, bm, max_span, bq, elems) if grouped else None
         ),
-        mask=None if m.kind == "none" else m,
-        bias=bias,
-        score_mod=p.score.score_mod,
+        masked=m.kind != "none",
         mask_dims=md,
         block=bm,
     )

@@ -101,9 +101,11 @@ def band_schedule(lo: int | None, hi: int | None, p: Problem, b: int) -> Schedul
     return schedule(bm, max_span, b, row_elems(p))
 
 
-def band_bwd_schedule(lo: int | None, hi: int | None, p: Problem, b: int) -> Schedule:
-    bm = _band_block_mask(lo, hi, p.Lq, p.Lk, b)
-    return key_schedule(bm, max(1, PIECE_BUDGET // b), b, row_elems(p))
+def band_bwd_schedule(
+    lo: int | None, hi: int | None, Lq: int, Lk: int, elems: int, b: int
+) -> Schedule:
+    bm = _band_block_mask(lo, hi, Lq, Lk, b)
+    return key_schedule(bm, max(1, PIECE_BUDGET // b), b, elems)
 
 
 def key_schedule(bm: BlockMask, max_span: int, b: int, row_elems: int) -> Schedule:

@@ -153,7 +153,7 @@ class DecodeBackend(Backend):
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
         # per-batch key ranges (padding) are read from the mask's tensors once, here: a kept
-        # runner is keyed on their versions (qkv._plain)
+        # runner is keyed on their versions (qkv._planning.signature)
         return _bound(p) if p.mask.kind in ("none", "causal", "band", "padding") else None
 
 

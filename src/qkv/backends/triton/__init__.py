@@ -15,6 +15,7 @@ times slower, for tests), and ``backend="auto"`` never picks it there.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -90,14 +91,16 @@ class TritonBackend(Backend):
         call = None
         if not dry_run:
             built = {(t.fwd.bq, t.fwd.bk): fwd_bm}
+            # (the tile lists read the mask, not the call: a plan holds none of its tensors)
+            mask, shape, device = p.mask, p.shape, p.device
 
             @functools.cache
             def lists_at(size: tuple[int, int]) -> object:
-                bm = built.get(size) or block_mask_at(p.mask, p.shape, size, p.device)
-                return tile_lists(bm, p.mask, spec, p.shape, p.device)
+                bm = built.get(size) or block_mask_at(mask, shape, size, device)
+                return tile_lists(bm, mask, spec, shape, device)
 
             lists_at((t.fwd.bq, t.fwd.bk))  # the forward's now: planning errors surface here
-            call = Call(p=p, spec=spec, lists=lists_at, tiles=t)
+            call = Call(p=None, spec=spec, lists=lists_at, tiles=t)
         return Route(
             forward=(
                 f"triton fused forward, {t.fwd.bq}x{t.fwd.bk} tiles over the visible blocks, "
@@ -115,7 +118,7 @@ class TritonBackend(Backend):
         )
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-        call: Call = route.detail
+        call: Call = dataclasses.replace(route.detail, p=p)  # the plan's, bound to this call
         if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
             return no_keys_result(p)
         q, k, v = (unit_last_stride(t) for t in (p.q, p.k, p.v))  # kernels read D densely

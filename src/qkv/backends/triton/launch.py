@@ -93,9 +93,10 @@ def _pow2(n: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class Call:
-    """Everything one call's kernels read besides q, k, v and the score tensors."""
+    """Everything one call's kernels read besides q, k, v and the score tensors. A plan keeps
+    it without its problem (``p`` ``None``); ``run`` binds each call's."""
 
-    p: Problem
+    p: Problem | None
     spec: MaskSpec
     lists: Any  # (bq, bk) -> TileLists at that tiling (built on first use, then cached)
     tiles: Tilings
@@ -217,6 +218,7 @@ def forward(
     from . import kernels
 
     p, spec, t = call.p, call.spec, call.tiles.fwd
+    assert p is not None, "a kept call runs bound to its problem"
     lists: TileLists = call.lists((t.bq, t.bk))
     B, Hq, Lq, Lk = p.shape
     out = torch.empty(B, Hq, Lq, p.Dv, dtype=out_dtype, device=q.device)
@@ -259,6 +261,7 @@ def backward(
     from . import kernels
 
     p, spec, tiles = call.p, call.spec, call.tiles
+    assert p is not None, "a kept call runs bound to its problem"
     by_key: TileLists = call.lists((tiles.dkdv.bq, tiles.dkdv.bk))  # its q lists
     by_query: TileLists = call.lists((tiles.dq.bq, tiles.dq.bk))  # its kv lists
     B, Hq, Lq, Lk = p.shape
