@@ -254,3 +254,99 @@ def test_a_calls_signature_equals_its_problems(case):
         assert signature.of_call(q, k, v, mask, None, False, "auto", limit) != of_call
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_user_score_mod_is_kept_and_reads_its_tensors_at_each_call(monkeypatch):
+    """A user's score_mod is part of the signature weakly: the decision is kept (decided
+    once), and each call reads the tensors it closes over as they are then (an in-place
+    edit shows at once), gradients into them included, equal to the oracle."""
+    from qkv import planner
+
+    decided = []
+    real = planner._decide
+    monkeypatch.setattr(planner, "_decide", lambda *a, **kw: decided.append(1) or real(*a, **kw))
+    scale = torch.tensor([0.5], requires_grad=True)
+
+    def tilt(score, b, h, q_idx, kv_idx):
+        return score + scale * (kv_idx - q_idx).float() / 10
+
+    q, k, v = make_qkv(Shape(1, 2, 2, 200, 200, 16), gen=17, requires_grad=True)
+    for value in (0.5, -2.0):
+        with torch.no_grad():
+            scale.fill_(value)  # in place: the same mod, another tilt
+        out = qkv.attention(q, k, v, mask=qkv.causal, score_mod=tilt)
+        q64, k64, v64 = (t.double() for t in (q, k, v))  # (the oracle in float64)
+        ref = qkv.reference.attention(q64, k64, v64, mask=qkv.causal, score_mod=tilt)[0]
+        assert _close(out, ref)
+        got = torch.autograd.grad(out.sum(), (q, scale))
+        want = torch.autograd.grad(ref.sum(), (q, scale))
+        for a, b in zip(got, want, strict=True):  # (scale's: a sum over 40 K scores)
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    assert len(decided) == 1
+
+
+def _counting(monkeypatch):
+    from qkv import planner
+
+    decided = []
+    real = planner._decide
+
+    def count(*a, **kw):
+        if not kw["dry_run"]:
+            decided.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(planner, "_decide", count)
+    return decided
+
+
+@pytest.mark.parametrize(
+    ("L", "backend"),
+    [(40, "auto"), (600, "auto"), (40, "triton")],
+    ids=["sdpa", "blocksparse", "triton"],
+)
+@pytest.mark.parametrize("kind", ["mask_mod", "bool_tensor", "block_mask", "and_mod"])
+def test_unwatched_masks_keep_the_decision_and_plan_tiles_per_call(monkeypatch, kind, L, backend):
+    """A mask whose values a signature cannot watch (a user's mask_mod and the tensor it
+    closes over, a bool tensor, a block mask, a combination with a mod): its decision is
+    kept (decided once), its tiles are planned again at every call, so an in-place edit of
+    what it reads shows at once; every call equals the oracle, with gradients."""
+    if backend == "triton" and kind == "block_mask":
+        pytest.skip("a block mask is planned for blocksparse's tiles")
+    decided = _counting(monkeypatch)
+    keep = torch.zeros(L, dtype=torch.bool)
+    keep[: L // 3] = True
+
+    def visible(b, h, q_idx, kv_idx):
+        return keep[kv_idx] | (q_idx == kv_idx)
+
+    dense = torch.zeros(1, 1, L, L, dtype=torch.bool)
+    q, k, v = make_qkv(Shape(1, 4, 4, L, L, 16), gen=18, requires_grad=True)
+    made = {  # one object for every call, as a model's layers pass theirs
+        "mask_mod": lambda: visible,
+        "bool_tensor": lambda: dense,
+        "block_mask": lambda: qkv.block_mask(visible, None, None, L, L),
+        "and_mod": lambda: qkv.and_masks(qkv.causal, visible),
+    }
+    mask = made[kind]()
+    for step in range(3):
+        dense.copy_(visible(None, None, torch.arange(L)[:, None], torch.arange(L)[None]))
+        if kind == "block_mask" and step > 0:
+            break  # (a block mask is a plan of the mask as it was: nothing to edit)
+        out = qkv.attention(q, k, v, mask=mask, backend=backend)
+        ref = qkv.reference.attention(*(t.double() for t in (q, k, v)), mask=mask)[0]
+        assert _close(out, ref)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(ref.sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+        keep[L // 3 :] = ~keep[L // 3 :]  # in place: the next call sees other keys
+        keep[: L // 5] = False
+    assert len(decided) == 1
+    import gc
+    import weakref
+
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    del q, k, v, out, ref, got, want
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True], "a kept plan holds the tensors"

@@ -352,10 +352,35 @@ def classify_score(score_mod: object) -> ScoreKind:
 _NONE = ()  # the token of no mask
 
 
+class Unwatched(tuple[object, ...]):
+    """The token of a mask whose values cannot be watched (a user's mask_mod and the tensors
+    it closes over, a bool mask tensor, a block mask): its decision can be kept, but not a
+    tile plan or a runner made from its values; backends plan its tiles on every call."""
+
+
+def unwatched(m: MaskKind) -> bool:
+    """True when ``m``'s tile plan reads values a signature does not watch (see
+    :class:`Unwatched`): such a kept plan plans its tiles again at each call."""
+    if m.block is not None or m.kind in ("mod", "tensor"):
+        return True
+    return any(unwatched(part) for part in m.parts)
+
+
+def problem_mask_token(m: MaskKind) -> object | None:
+    """The token of a classified mask (see :func:`mask_token`)."""
+    if m.block is not None:
+        states = tensor_token(m.block.states)
+        return None if states is None else Unwatched(("block", weakref.ref(m.block), states))
+    if m.tensor is not None:  # any bool tensor of this shape is decided the same way
+        return Unwatched(("tensor", tuple(m.tensor.shape), m.tensor.device))
+    return mask_token(m.source if m.kind != "none" else None)
+
+
 def mask_token(mask: object) -> object | None:
     """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
-    its decision would read values that cannot be watched: a built-in band as itself (it
-    holds no tensors); a document or padding mask weakly, with its tensors' tokens."""
+    it cannot be one: a built-in band as itself (it holds no tensors); a document or padding
+    mask weakly, with its tensors' tokens; a combination by its parts' tokens; a user's
+    mask_mod weakly, as :class:`Unwatched`."""
     if mask is None:
         return _NONE
     kind = type(mask)
@@ -374,22 +399,36 @@ def mask_token(mask: object) -> object | None:
         return (weakref.ref(mask), *values)
     if kind is _And or kind is _Or:  # (prefix_lm is one): when every part has a token
         parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
-        return None if None in parts else (weakref.ref(mask), parts)
-    return None
+        if None in parts:
+            return None
+        token = (weakref.ref(mask), parts)
+        return Unwatched(token) if any(isinstance(t, Unwatched) for t in parts) else token
+    if isinstance(mask, Tensor) or not callable(mask):
+        return None  # (a bool tensor: problem_mask_token, once checked)
+    if isinstance(mask, ModCall):  # the door's wrapper of a user's mod: the mod is the key
+        mask = mask.fn
+    try:
+        return Unwatched(("mod", weakref.ref(mask)))
+    except TypeError:
+        return None
 
 
 def score_token(score: object) -> object | None:
-    """A score as part of a call's signature: none; a bias tensor by its token; a built-in
-    score_mod (ALiBi, softcap, relative bias) weakly: the decision reads its kind, never its
-    tensors (each call's are bound when it runs). ``None`` for a user's score_mod."""
+    """A score as part of a call's signature: none; a bias tensor by its token; a score_mod
+    (built-in or a user's) weakly: the decision reads its kind, never its values or the
+    tensors it closes over (each call's problem is bound when it runs). ``None`` for a
+    callable that takes no weak reference."""
     if score is None:
         return _NONE
     if isinstance(score, Tensor):
         token = tensor_token(score)
         return None if token is None else ("bias", token)
-    if type(score) in (_Alibi, _Softcap, _RelativeBias):
+    if isinstance(score, ModCall):  # the door's wrapper of a user's mod: the mod is the key
+        score = score.fn
+    try:
         return weakref.ref(score)
-    return None
+    except TypeError:
+        return None
 
 
 def tensor_token(t: Tensor) -> tuple[object, ...] | None:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._core.problem import Problem, validate
+from ._kinds import Unwatched
 from ._planning import signature
 from ._planning.about import About, describe
 from .backends import AUTO_ORDER, BACKENDS
@@ -245,7 +246,11 @@ def clear_kept() -> None:
 def _keep(sig: signature.Signature, plan: Plan, p: Problem) -> None:
     if len(_KEPT) >= _MAX_KEPT:
         _KEPT.clear()
-    entry = Kept(plan, BACKENDS[plan.backend].runner(p, plan.route))
+    backend = BACKENDS[plan.backend]
+    plan = replace(plan, route=backend.keep(plan.route))
+    # (no runner for a mask whose values a signature does not watch: it would reuse them)
+    runner = None if isinstance(sig.mask, Unwatched) else backend.runner(p, plan.route)
+    entry = Kept(plan, runner)
     huge = p.reads.get("huge_logits")
     if huge is None:
         _KEPT[sig] = entry

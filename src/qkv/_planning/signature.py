@@ -13,14 +13,17 @@ What a signature holds:
   itself; a document or padding mask, a combination of built-ins, and a bias tensor, by
   identity and by their tensors' identities and version counters, held weakly (an in-place
   edit of the ids or lengths is a new signature; a freed tensor's token equals nothing made
-  later); a built-in score_mod weakly (the decision reads its kind only);
+  later); a score_mod weakly (the decision reads its kind, not its values);
 - the scale, dropout, ``return_lse``, the input's number of dims, the backend asked for;
 - the environment the decision reads: ``QKV_NATIVE``, the dense-memory limit, the number of
   threads.
 
-Calls whose decision reads values that cannot be watched (a user mask_mod or score_mod and
-the tensors it closes over, a bool mask tensor's or a prebuilt block mask's tile plan) have
-no signature: they are decided on every call, from their values.
+A mask whose values cannot be watched (a user's mask_mod and the tensors it closes over, a
+bool mask tensor, a block mask) is in a signature as an ``Unwatched`` token (the mod weakly,
+the tensor by its shape, the block mask weakly): its decision is kept, but the backend plans
+its tiles again at every call and no runner is kept; a repeat call goes through the checks.
+A callable that takes no weak reference, or an inference tensor, makes no signature: such
+calls are decided every time.
 Under torch.compile nothing is kept: dynamo traces the decision once per graph.
 
 Decisions that read the logits (whether ``|q|·|k|·scale`` may pass the precision limit of a
@@ -37,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .._core.problem import Problem
-from .._kinds import mask_token, score_token
+from .._kinds import Unwatched, mask_token, problem_mask_token, score_token
 
 Tensor = torch.Tensor
 
@@ -66,9 +69,9 @@ class Signature(NamedTuple):
 def of_problem(p: Problem, backend: object, dense_limit: int) -> Signature | None:
     """The signature of a validated problem, or ``None`` when its decision reads values that
     cannot be watched (see the module docstring)."""
-    if torch.compiler.is_compiling() or p.mask.block is not None:
+    if torch.compiler.is_compiling():
         return None
-    mask = mask_token(p.mask.source if p.mask.kind != "none" else None)
+    mask = problem_mask_token(p.mask)
     score = score_token(p.score.source if p.score.kind != "none" else None)
     if mask is None or score is None:
         return None
@@ -108,8 +111,8 @@ def of_call(
     elif type(scale) is not float or not math.isfinite(scale):
         return None
     token = mask_token(mask)
-    if token is None:
-        return None
+    if token is None or isinstance(token, Unwatched):
+        return None  # (a kept runner would reuse values of the mask that may have changed)
     grad = torch.is_grad_enabled()
     return Signature(
         q.shape, k.shape, v.shape, (q.dtype, k.dtype, v.dtype), (q.device, k.device, v.device),

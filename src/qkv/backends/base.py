@@ -86,6 +86,13 @@ class Backend(ABC):
         only when :meth:`rejects` is ``None``; ``None`` (the default) claims nothing."""
         return None
 
+    def keep(self, route: Route) -> Route:
+        """``route`` as a kept plan holds it for later calls of its signature: without what
+        was planned from values a signature does not watch (the tiles of a user's mask_mod,
+        of a bool mask tensor; ``qkv._kinds.unwatched``), which ``run`` then plans per call.
+        The default keeps it as it is."""
+        return route
+
     def runner(self, p: Problem, route: Route) -> Runner | None:
         """``route`` as a function of ``(q, k, v)`` alone, for repeat calls of ``p``'s
         signature (:mod:`qkv._planning.signature`): everything but the tensors is bound once.

@@ -19,6 +19,7 @@ tiles run with no masking; partial tiles evaluate the mask for themselves only.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -112,6 +113,12 @@ class BlocksparseBackend(Backend):
             detail=job.unbound(),  # (a plan holds none of the call's tensors)
         )
 
+    def keep(self, route: Route) -> Route:
+        job = route.detail
+        if isinstance(job, Job) and job.replan:
+            return replace(route, block=None, detail=job.without_tiles())
+        return route
+
     def runner(self, p: Problem, route: Route) -> Runner | None:
         if route.detail is None or route.detail is _EAGER:
             return None
@@ -128,7 +135,9 @@ class BlocksparseBackend(Backend):
 
             m, s = p.mask.source, p.score.source
             return eagerly(self, p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
-        job: Job = route.detail.for_run(call=p)
+        job: Job = route.detail
+        # a kept job whose tiles were planned from another call's values plans this call's
+        job = job.for_run(call=p) if job.tiles_for(p) else make_job(p)
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
         q, k, v = p.q, p.k, p.v

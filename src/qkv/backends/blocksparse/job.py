@@ -10,6 +10,7 @@ which kernel family runs. ``plan.py`` builds it.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -155,6 +156,10 @@ class Job:
     masked: bool = False  # the mask is evaluated on partial tiles (else every tile is full)
     mask_dims: tuple[int, int] = (1, 1)  # (b', h') the mask varies over
     block: BlockMask | None = None  # the tile plan the schedule was cut from
+    # The tile plan was made from values a signature does not watch (a user's mask_mod, a
+    # bool mask tensor): it serves the problem it was planned for, and a kept job plans again
+    replan: bool = False
+    planned: Any = None  # weak reference to that problem
     # Per call (for_run):
     call: Problem | None = None  # the problem it runs
     seed: int = 0  # dropout seed (drawn from torch's default generator)
@@ -173,10 +178,19 @@ class Job:
 
     def unbound(self) -> Job:
         """This job without its call (what a plan keeps); its schedules are shared."""
-        job = replace(self, call=None, params=(), watch=None, seed=0)
+        planned = weakref.ref(self.call) if self.replan and self.call is not None else None
+        job = replace(self, call=None, params=(), watch=None, seed=0, planned=planned)
         if "bwd" in self.__dict__:
             job.__dict__["bwd"] = self.__dict__["bwd"]
         return job
+
+    def tiles_for(self, p: Problem) -> bool:
+        """True when this job's tile plan serves ``p`` (else ``p``'s must be planned)."""
+        return not self.replan or (self.planned is not None and self.planned() is p)
+
+    def without_tiles(self) -> Job:
+        """This job as a plan keeps it when its tiles are planned per call."""
+        return replace(self, fwd=EMPTY_SCHEDULE, bwd_build=None, block=None, planned=None)
 
     @property
     def p(self) -> Problem:

@@ -24,6 +24,7 @@ import torch
 
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
+from ..._kinds import unwatched
 from ...blockmask import BlockMask, build
 from . import schedule
 from .job import Job, Segment, fused_ok
@@ -141,6 +142,7 @@ def _torch_job(p: Problem, fused: bool) -> Job:
         masked=m.kind != "none",
         mask_dims=md,
         block=bm,
+        replan=unwatched(m),
     )
 
 

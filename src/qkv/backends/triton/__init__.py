@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import weakref
 
 import torch
 
 from ..._core.problem import Problem
+from ..._kinds import unwatched
 from ..base import Backend, Route, imprecise_backward, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings
@@ -100,7 +102,8 @@ class TritonBackend(Backend):
                 return tile_lists(bm, mask, spec, shape, device)
 
             lists_at((t.fwd.bq, t.fwd.bk))  # the forward's now: planning errors surface here
-            call = Call(p=None, spec=spec, lists=lists_at, tiles=t)
+            planned = weakref.ref(p) if unwatched(p.mask) else None
+            call = Call(p=None, spec=spec, lists=lists_at, tiles=t, planned=planned)
         return Route(
             forward=(
                 f"triton fused forward, {t.fwd.bq}x{t.fwd.bk} tiles over the visible blocks, "
@@ -117,8 +120,19 @@ class TritonBackend(Backend):
             detail=call,
         )
 
+    def keep(self, route: Route) -> Route:
+        call: Call | None = route.detail
+        if call is not None and call.planned is not None:  # (tiles planned per call)
+            return dataclasses.replace(route, block=None, detail=None)
+        return route
+
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-        call: Call = dataclasses.replace(route.detail, p=p)  # the plan's, bound to this call
+        call: Call | None = route.detail
+        if call is None or (call.planned is not None and call.planned() is not p):
+            # kept without its tile lists (made from values a signature does not watch)
+            call = self.route(p).detail
+            assert call is not None
+        call = dataclasses.replace(call, p=p)  # the plan's, bound to this call
         if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
             return no_keys_result(p)
         q, k, v = (unit_last_stride(t) for t in (p.q, p.k, p.v))  # kernels read D densely
