@@ -4,8 +4,8 @@
 :func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. Every later layer
 (tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
 and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, the built-in
-classes are known here, in :mod:`qkv._kindspec` (which rebuilds kinds from specs) and in
-:mod:`qkv._planning.signature` (which makes tokens of a band, a document or a padding mask).
+classes are known here and in :mod:`qkv._kindspec` (which rebuilds kinds from specs and
+makes the tokens of a call's signature).
 
 Combinations of built-ins are simplified to the kind they are, so that they reach the same
 kernels as the mask they equal::
@@ -22,7 +22,6 @@ broadcastable index tensors) for the paths that evaluate positions.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -345,96 +344,3 @@ def classify_score(score_mod: object) -> ScoreKind:
         f"score_mod must be None, a float bias tensor, or a callable "
         f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"
     )
-
-
-# --------------------------------------------------------------------- signatures
-
-_NONE = ()  # the token of no mask
-
-
-class Unwatched(tuple[object, ...]):
-    """The token of a mask whose values cannot be watched (a user's mask_mod and the tensors
-    it closes over, a bool mask tensor, a block mask): its decision can be kept, but not a
-    tile plan or a runner made from its values; backends plan its tiles on every call."""
-
-
-def unwatched(m: MaskKind) -> bool:
-    """True when ``m``'s tile plan reads values a signature does not watch (see
-    :class:`Unwatched`): such a kept plan plans its tiles again at each call."""
-    if m.block is not None or m.kind in ("mod", "tensor"):
-        return True
-    return any(unwatched(part) for part in m.parts)
-
-
-def problem_mask_token(m: MaskKind) -> object | None:
-    """The token of a classified mask (see :func:`mask_token`)."""
-    if m.block is not None:
-        states = tensor_token(m.block.states)
-        return None if states is None else Unwatched(("block", weakref.ref(m.block), states))
-    if m.tensor is not None:  # any bool tensor of this shape is decided the same way
-        return Unwatched(("tensor", tuple(m.tensor.shape), m.tensor.device))
-    return mask_token(m.source if m.kind != "none" else None)
-
-
-def mask_token(mask: object) -> object | None:
-    """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
-    it cannot be one: a built-in band as itself (it holds no tensors); a document or padding
-    mask weakly, with its tensors' tokens; a combination by its parts' tokens; a user's
-    mask_mod weakly, as :class:`Unwatched`."""
-    if mask is None:
-        return _NONE
-    kind = type(mask)
-    if kind is _Band:
-        return mask  # no tensors, nothing in it changes
-    if kind is _Document:
-        ids = tensor_token(mask.ids)  # type: ignore[attr-defined]
-        return None if ids is None else (weakref.ref(mask), ids)
-    if kind is _KvBelow:
-        limit = mask.limit  # type: ignore[attr-defined]
-        start = mask.start  # type: ignore[attr-defined]
-        tensors = [t for t in (limit, start) if isinstance(t, Tensor)]
-        if any(t.is_inference() for t in tensors):
-            return None  # (no version counter)
-        values = [tensor_token(t) if isinstance(t, Tensor) else t for t in (limit, start)]
-        return (weakref.ref(mask), *values)
-    if kind is _And or kind is _Or:  # (prefix_lm is one): when every part has a token
-        parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
-        if None in parts:
-            return None
-        token = (weakref.ref(mask), parts)
-        return Unwatched(token) if any(isinstance(t, Unwatched) for t in parts) else token
-    if isinstance(mask, Tensor) or not callable(mask):
-        return None  # (a bool tensor: problem_mask_token, once checked)
-    if isinstance(mask, ModCall):  # the door's wrapper of a user's mod: the mod is the key
-        mask = mask.fn
-    try:
-        return Unwatched(("mod", weakref.ref(mask)))
-    except TypeError:
-        return None
-
-
-def score_token(score: object) -> object | None:
-    """A score as part of a call's signature: none; a bias tensor by its token; a score_mod
-    (built-in or a user's) weakly: the decision reads its kind, never its values or the
-    tensors it closes over (each call's problem is bound when it runs). ``None`` for a
-    callable that takes no weak reference."""
-    if score is None:
-        return _NONE
-    if isinstance(score, Tensor):
-        token = tensor_token(score)
-        return None if token is None else ("bias", token)
-    if isinstance(score, ModCall):  # the door's wrapper of a user's mod: the mod is the key
-        score = score.fn
-    try:
-        return weakref.ref(score)
-    except TypeError:
-        return None
-
-
-def tensor_token(t: Tensor) -> tuple[object, ...] | None:
-    """``(identity, version counter, weak reference)``: equal only for the same living tensor
-    unedited since. The identity comes first, so tokens of different tensors never compare
-    the tensors themselves. ``None`` for an inference tensor (it has no version counter)."""
-    if t.is_inference():
-        return None
-    return (id(t), t._version, weakref.ref(t))

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._core.problem import Problem, validate
-from ._kinds import Unwatched
+from ._kindspec import Unwatched
 from ._planning import signature
 from ._planning.about import About, describe
 from .backends import AUTO_ORDER, BACKENDS

@@ -8,7 +8,7 @@ What a signature holds:
 
 - the shapes of ``q``, ``k``, ``v`` as the problem has them (``[B, H, L, D]``), their dtypes
   and devices, which of them (and a bias) need a gradient;
-- the mask and the score as *tokens* (``qkv._kinds.mask_token``, ``score_token``): a
+- the mask and the score as *tokens* (``qkv._kindspec.mask_token``, ``score_token``): a
   built-in band mask (``qkv.causal``, ``qkv.sliding_window``; it holds no tensors) as
   itself; a document or padding mask, a combination of built-ins, and a bias tensor, by
   identity and by their tensors' identities and version counters, held weakly (an in-place
@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .._core.problem import Problem
-from .._kinds import Unwatched, mask_token, problem_mask_token, score_token
+from .._kindspec import Unwatched, mask_token, problem_mask_token, score_token
 
 Tensor = torch.Tensor
 

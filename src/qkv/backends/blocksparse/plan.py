@@ -24,7 +24,7 @@ import torch
 
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
-from ..._kinds import unwatched
+from ..._kindspec import unwatched
 from ...blockmask import BlockMask, build
 from . import schedule
 from .job import Job, Segment, fused_ok

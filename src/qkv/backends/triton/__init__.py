@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from ..._core.problem import Problem
-from ..._kinds import unwatched
+from ..._kindspec import unwatched
 from ..base import Backend, Route, imprecise_backward, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings
