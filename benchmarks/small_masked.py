@@ -1,9 +1,10 @@
 """Small masked calls: qkv.attention against SDPA given the same mask as a dense bool tensor.
 
-The shape of a layer in a small model (B=4, H=4, L=48, D=32) with a document, a padding and
-a sliding-window mask, each mask object reused across calls as a model's layers reuse it.
-qkv and the peer run interleaved, round by round, in one process; each figure is the median
-over rounds of the per-round ratio (qkv time / SDPA time), forward only, no gradient.
+The shape of a layer in a small model (B=4, H=4, L=48, D=32) with a document, a padding, a
+sliding-window mask and a user's mask_mod, each mask object reused across calls as a model's
+layers reuse it. qkv and the peer run interleaved, round by round, in one process; each
+figure is the median over rounds of the per-round ratio (qkv time / SDPA time), forward
+only, no gradient.
 
     .venv/bin/python benchmarks/small_masked.py [--rounds 9] [--calls 300] [--threads 1]
 """
@@ -52,6 +53,8 @@ def main() -> None:
         "document": qkv.document(torch.arange(L) // 16),
         "padding": qkv.padding(torch.tensor([40, 48, 30, 20])),
         "window": qkv.sliding_window(8),
+        # a user's mask_mod: its decision is kept, its mask evaluated at every call
+        "mask_mod": lambda b, h, qi, ki: (qi // 16) == (ki // 16),
     }
     for name, mask in masks.items():
         dense = mask(*idx)  # the same mask as SDPA takes it: bool, broadcastable

@@ -204,24 +204,23 @@ def problem_mask_token(m: MaskKind) -> object | None:
 def mask_token(mask: object) -> object | None:
     """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
     it cannot be one: a built-in band as itself (it holds no tensors); a document or padding
-    mask weakly, with its tensors' tokens; a combination by its parts' tokens; a user's
-    mask_mod weakly, as :class:`Unwatched`."""
+    mask by its tensors' tokens; a combination by its parts' tokens; a user's mask_mod
+    weakly, as :class:`Unwatched`."""
     if mask is None:
         return _NONE
     kind = type(mask)
     if kind is _Band:
         return mask  # no tensors, nothing in it changes
-    if kind is _Document:
+    if kind is _Document:  # (its decision reads its ids and nothing else of it)
         ids = tensor_token(mask.ids)  # type: ignore[attr-defined]
-        return None if ids is None else (weakref.ref(mask), ids)
-    if kind is _KvBelow:
-        limit = mask.limit  # type: ignore[attr-defined]
-        start = mask.start  # type: ignore[attr-defined]
-        tensors = [t for t in (limit, start) if isinstance(t, Tensor)]
-        if any(t.is_inference() for t in tensors):
-            return None  # (no version counter)
-        values = [tensor_token(t) if isinstance(t, Tensor) else t for t in (limit, start)]
-        return (weakref.ref(mask), *values)
+        return None if ids is None else ("document", ids)
+    if kind is _KvBelow:  # (its limit and start: ints, None or per-batch tensors)
+        limit, start = mask.limit, mask.start  # type: ignore[attr-defined]
+        if isinstance(limit, Tensor) and (limit := tensor_token(limit)) is None:
+            return None
+        if start is not None and (start := tensor_token(start)) is None:
+            return None
+        return ("padding", limit, start)
     if kind is _And or kind is _Or:  # (prefix_lm is one): when every part has a token
         parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
         if None in parts:
@@ -260,6 +259,7 @@ def tensor_token(t: Tensor) -> tuple[object, ...] | None:
     """``(identity, version counter, weak reference)``: equal only for the same living tensor
     unedited since. The identity comes first, so tokens of different tensors never compare
     the tensors themselves. ``None`` for an inference tensor (it has no version counter)."""
-    if t.is_inference():
+    try:
+        return (id(t), t._version, weakref.ref(t))
+    except RuntimeError:  # an inference tensor
         return None
-    return (id(t), t._version, weakref.ref(t))

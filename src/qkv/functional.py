@@ -6,7 +6,6 @@ import torch
 
 from . import _recording, planner
 from ._core.problem import validate
-from ._planning import signature
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
@@ -79,9 +78,7 @@ def attention(
     recorder = _recording.current()  # qkv.inspect.record(): None unless recording
     if score_mod is None and recorder is None and _no_dropout(dropout_p):
         # A repeat call: its signature's plan was decided (and its arguments checked) before.
-        sig = signature.of_call(q, k, v, mask, scale, return_lse, backend, planner.dense_limit())
-        got = None if sig is None else planner.kept(sig, q, k)
-        res = None if got is None or got.runner is None else got.runner(q, k, v)
+        res = planner.repeat(q, k, v, mask, scale, return_lse, backend)
         if res is not None:
             out, lse = res
             return out if not return_lse else (out, lse)  # type: ignore[return-value]

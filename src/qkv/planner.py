@@ -11,7 +11,7 @@ problem is a ``ValueError`` that says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +19,7 @@ from ._core.problem import Problem, validate
 from ._kindspec import Unwatched
 from ._planning import signature
 from ._planning.about import About, describe
+from ._planning.signature import of_call
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import HUGE_LOGIT, Backend, Route, Runner, Unavailable, logit_bound
 from .typing import MaskLike, ScoreLike
@@ -223,19 +224,49 @@ class Kept(NamedTuple):
     runner: Runner | None
 
 
-_KEPT: dict[object, Kept | None] = {}  # signature (or (signature, huge logits)) -> kept plan
-_MISSING: Any = object()
-_BY_LOGITS = None  # kept under a signature whose decision read the logits: look up per answer
+_KEPT: dict[object, Kept | _ByLogits] = {}  # signature (or (signature, huge)) -> kept plan
 _MAX_KEPT = 512  # a model's layers share one signature; decoding adds one per cache length
 
 
-def kept(sig: signature.Signature, q: Tensor, k: Tensor) -> Kept | None:
-    """The plan kept for ``sig`` (``q`` and ``k``: the call's, for a decision that read the
-    logits), or ``None``."""
-    got = _KEPT.get(sig, _MISSING)
+class _ByLogits:
+    """What a signature whose decision read the logits keeps: look up per answer."""
+
+
+_BY_LOGITS = _ByLogits()
+
+
+def kept(sig: tuple[object, ...], q: Tensor, k: Tensor) -> Kept | None:
+    """The plan kept for ``sig`` (a :class:`~qkv._planning.signature.Signature`, or a plain
+    tuple equal to one; ``q`` and ``k``: the call's, for a decision that read the logits), or
+    ``None``."""
+    got = _KEPT.get(sig)
     if got is _BY_LOGITS:
-        got = _KEPT.get((sig, logit_bound(q, k, sig.scale) > HUGE_LOGIT), _MISSING)
-    return None if got is _MISSING else got
+        scale: float = sig[signature.SCALE]  # type: ignore[assignment]
+        got = _KEPT.get((sig, logit_bound(q, k, scale) > HUGE_LOGIT))
+    return got  # type: ignore[return-value]
+
+
+def repeat(
+    q: object,
+    k: object,
+    v: object,
+    mask: object,
+    scale: object,
+    return_lse: bool,
+    backend: object,
+) -> tuple[Tensor, Tensor | None] | None:
+    """A repeat call of :func:`qkv.attention` (4-D tensors, no score_mod, no dropout) run by
+    the runner of the plan kept for its signature, before any check: ``(out, lse)``, or
+    ``None`` when there is none (the caller then takes the full path)."""
+    sig = of_call(q, k, v, mask, scale, return_lse, backend, _limit["bytes"])
+    if sig is None:
+        return None
+    got = _KEPT.get(sig)
+    if got is _BY_LOGITS:
+        got = kept(sig, q, k)  # type: ignore[arg-type]
+    if got is None or got.runner is None:  # type: ignore[union-attr]
+        return None
+    return got.runner(q, k, v)  # type: ignore[arg-type,union-attr]
 
 
 def clear_kept() -> None:

@@ -98,9 +98,14 @@ def check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor, 
     return q, k, v, orig
 
 
+def default_scale(D: int) -> float:
+    """The scale of ``scale=None``: ``1 / sqrt(D)`` (1 for a head dim of 0)."""
+    return 1.0 / math.sqrt(D) if D > 0 else 1.0
+
+
 def check_scale(scale: object, D: int) -> float:
     if scale is None:
-        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+        return default_scale(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not math.isfinite(scale):
