@@ -209,10 +209,10 @@ def test_repeat_calls_reuse_the_decision():
     """A decoder's repeat calls (no mask) keep the decode route under their signature and give the
     kernel's answer."""
     q, k, v = make_qkv(Shape(1, 9, 3, 1, 64, 64), gen=5)
-    qkv.planner._KEPT.clear()
+    qkv._planning.kept.clear()
     first = qkv.attention(q, k, v)
     key = signature.of_call(q, k, v, None, None, False, "auto", qkv.planner.dense_limit())
-    assert key is not None and key in qkv.planner._KEPT
+    assert key is not None and key in qkv._planning.kept._KEPT
     assert qkv.plan(q, k, v).backend == "decode"
     torch.testing.assert_close(qkv.attention(q, k, v), first, rtol=0, atol=0)
     torch.testing.assert_close(first, qkv.attention(q, k, v, backend="reference"))
@@ -230,7 +230,7 @@ def test_a_failed_build_is_passed_over_with_the_reason(monkeypatch, caplog):
     """A build that fails at the first call (no compiler, no headers): that call and every
     later one are planned elsewhere, exact, with one logged line and the reason in the plan."""
     monkeypatch.setattr(decode_mod.LIBRARY, "_state", {})
-    monkeypatch.setattr(qkv.planner, "_KEPT", {})
+    monkeypatch.setattr(qkv._planning.kept, "_KEPT", {})
 
     def broken():
         raise RuntimeError("c++: command not found\nmore detail")

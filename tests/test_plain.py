@@ -27,9 +27,9 @@ def _close(a, b) -> bool:
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    qkv.planner._KEPT.clear()
+    qkv._planning.kept.clear()
     yield
-    qkv.planner._KEPT.clear()
+    qkv._planning.kept.clear()
 
 
 def test_a_document_mask_edited_in_place_is_a_new_signature():
@@ -38,7 +38,7 @@ def test_a_document_mask_edited_in_place_is_a_new_signature():
     mask = qkv.document(ids)
     for _ in range(2):  # the second call runs the kept runner
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv.planner._KEPT) == 1
+    assert len(qkv._planning.kept._KEPT) == 1
     ids[:20] = 7  # in place: the same mask object, other documents
     assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
 
@@ -60,7 +60,7 @@ def test_a_decode_step_with_padding_is_kept_and_exact():
     assert qkv.plan(q, k, v, mask=mask).backend == "decode"
     for _ in range(2):
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv.planner._KEPT) == 1
+    assert len(qkv._planning.kept._KEPT) == 1
     lengths[1] = 7
     assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
 
@@ -72,7 +72,7 @@ def test_a_window_without_gradients_runs_the_band_kernel_directly():
         pytest.skip("the compiled band kernel is unavailable here")
     for _ in range(2):
         assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
-    assert len(qkv.planner._KEPT) == 1
+    assert len(qkv._planning.kept._KEPT) == 1
     # with gradients the signature differs, and the full path (with its backward) runs
     qg = q.clone().requires_grad_()
     out = qkv.attention(qg, k, v, mask=mask)
@@ -151,7 +151,7 @@ def test_a_kept_plan_holds_none_of_the_calls_tensors(case, grad):
         assert _close(out, _oracle(q.detach(), k.detach(), v.detach(), mask))
         if grad:
             out.sum().backward()
-    assert any(e is not None for e in qkv.planner._KEPT.values()), "nothing was kept"
+    assert any(e is not None for e in qkv._planning.kept._KEPT.values()), "nothing was kept"
     refs = [weakref.ref(t) for t in (q, k, v)]
     del q, k, v, out
     gc.collect()
@@ -175,7 +175,7 @@ def test_a_built_in_score_mod_is_kept_and_bound_per_call(case):
         g = torch.autograd.grad(out.sum(), (q, k))
         g_ref = torch.autograd.grad(ref.sum(), (q, k))
         assert all(_close(a, b.double()) for a, b in zip(g, g_ref, strict=True))
-    assert any(e is not None for e in qkv.planner._KEPT.values()), "nothing was kept"
+    assert any(e is not None for e in qkv._planning.kept._KEPT.values()), "nothing was kept"
     refs = [weakref.ref(t) for t in (q, k, v)]
     del q, k, v, out, ref, g, g_ref
     gc.collect()
@@ -227,7 +227,9 @@ def test_huge_logits_keep_a_plan_for_each_answer(monkeypatch):
     assert backends == ["sdpa", "blocksparse", "sdpa", "blocksparse"]
     assert len(decided) == 2
     by_answer = sorted(
-        (key[1], e.plan.backend) for key, e in planner._KEPT.items() if isinstance(key[1], bool)
+        (key[1], e.plan.backend)
+        for key, e in qkv._planning.kept._KEPT.items()
+        if isinstance(key[1], bool)
     )
     assert by_answer == [(False, "sdpa"), (True, "blocksparse")]
 
@@ -350,3 +352,19 @@ def test_unwatched_masks_keep_the_decision_and_plan_tiles_per_call(monkeypatch, 
     del q, k, v, out, ref, got, want
     gc.collect()
     assert [r() is None for r in refs] == [True, True, True], "a kept plan holds the tensors"
+
+
+def test_a_plan_kept_for_freed_tensors_is_forgotten():
+    """A training loop packs new documents at every step: each step's ids are a new
+    signature, and when the step's mask is freed its kept plan (and the dense mask its runner
+    holds) is forgotten, so the store does not grow with the steps."""
+    store = qkv._planning.kept
+    q, k, v = make_qkv(SMALL, gen=19)
+    for step in range(40):
+        ids = (torch.arange(48) + step) // 16  # another packing each step
+        mask = qkv.document(ids)
+        for _ in range(2):
+            assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask))
+        assert len(store._KEPT) <= 2, "plans of freed masks were kept"
+        del ids, mask
+    assert len(store._KEPT) <= 1 and len(store._GUARDS) <= 1

@@ -181,9 +181,9 @@ def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
     """A second call of one signature (no mask, no score_mod) skips the door and the
     planner, and computes the same as the first and the oracle; anything that changes the
     signature takes the full path again."""
-    from qkv import functional, planner
+    from qkv import functional
 
-    planner._KEPT.clear()
+    qkv._planning.kept.clear()
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 9, 1, 64, generator=gen)
     k = torch.randn(1, 3, 40, 64, generator=gen)
@@ -208,10 +208,10 @@ def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
         qkv.attention(torch.randn(1, 8, 1, 64), k, v)
     # routes that hold per-call work (lse from blocksparse, with a gradient) keep their
     # decision but no runner: the door runs every call
-    before = dict(planner._KEPT)
+    before = dict(qkv._planning.kept._KEPT)
     assert qkv.plan(qg, k, v, return_lse=True).backend == "blocksparse"
     qkv.attention(qg, k, v, return_lse=True)
-    new = [e for key, e in planner._KEPT.items() if key not in before and e is not None]
+    new = [e for key, e in qkv._planning.kept._KEPT.items() if key not in before and e is not None]
     assert [(e.plan.backend, e.runner) for e in new] == [("blocksparse", None)]
     qkv.attention(qg, k, v, return_lse=True)
     assert len(calls) == 8  # (the refused call validated too)
@@ -229,9 +229,9 @@ def test_repeat_calls_with_a_band_mask_reuse_the_decision(monkeypatch, mask, sha
     kernel without gradients) its second call skips
     the door, gives the first call's numbers and the oracle's; another band object is another
     signature; a mask of another kind always takes the full path."""
-    from qkv import functional, planner
+    from qkv import functional
 
-    planner._KEPT.clear()
+    qkv._planning.kept.clear()
     B, Hq, Hkv, Lq, Lk = shape
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, Hq, Lq, 16, generator=gen)
@@ -263,19 +263,18 @@ def test_repeat_calls_with_a_band_mask_reuse_the_decision(monkeypatch, mask, sha
 
 
 def test_repeat_calls_follow_the_dense_limit():
-    from qkv import planner
 
-    planner._KEPT.clear()
+    qkv._planning.kept.clear()
     q = k = v = torch.randn(1, 2, 64, 16)
     qkv.attention(q, k, v, dropout_p=0.0)
     ref = qkv.attention(q, k, v, backend="reference")
     old = qkv.set_dense_limit(0)
     try:
         assert qkv.plan(q, k, v).backend == "blocksparse"  # SDPA's lse buffer is over 0 B
-        before = dict(planner._KEPT)
+        before = dict(qkv._planning.kept._KEPT)
         torch.testing.assert_close(qkv.attention(q, k, v), ref)
         # the limit is part of the signature: a new one, decided for blocksparse
-        new = [e for key, e in planner._KEPT.items() if key not in before]
+        new = [e for key, e in qkv._planning.kept._KEPT.items() if key not in before]
         assert [e.plan.backend for e in new] == ["blocksparse"]
     finally:
         qkv.set_dense_limit(old)

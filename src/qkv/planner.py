@@ -11,17 +11,15 @@ problem is a ``ValueError`` that says why.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 
 from ._core.problem import Problem, validate
-from ._kindspec import Unwatched
-from ._planning import signature
+from ._planning import kept, signature
 from ._planning.about import About, describe
 from ._planning.signature import of_call
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import HUGE_LOGIT, Backend, Route, Runner, Unavailable, logit_bound
+from .backends.base import Backend, Route, Unavailable
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
@@ -207,43 +205,13 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
         return replace(plan, about=describe(p, plan.route))
     sig = signature.of_problem(p, backend, _limit["bytes"])
     if sig is not None:
-        got = kept(sig, p.q, p.k)
+        got = kept.lookup(sig, p.q, p.k)
         if got is not None:
             return got.plan
     plan = _decide(p, backend, dry_run=False)
     if sig is not None:
-        _keep(sig, plan, p)
+        kept.keep(sig, plan, p)
     return plan
-
-
-class Kept(NamedTuple):
-    """A plan kept under a signature, and its route as a function of the tensors alone when
-    the backend gives one (:meth:`qkv.backends.base.Backend.runner`)."""
-
-    plan: Plan
-    runner: Runner | None
-
-
-_KEPT: dict[object, Kept | _ByLogits] = {}  # signature (or (signature, huge)) -> kept plan
-_MAX_KEPT = 512  # a model's layers share one signature; decoding adds one per cache length
-
-
-class _ByLogits:
-    """What a signature whose decision read the logits keeps: look up per answer."""
-
-
-_BY_LOGITS = _ByLogits()
-
-
-def kept(sig: tuple[object, ...], q: Tensor, k: Tensor) -> Kept | None:
-    """The plan kept for ``sig`` (a :class:`~qkv._planning.signature.Signature`, or a plain
-    tuple equal to one; ``q`` and ``k``: the call's, for a decision that read the logits), or
-    ``None``."""
-    got = _KEPT.get(sig)
-    if got is _BY_LOGITS:
-        scale: float = sig[signature.SCALE]  # type: ignore[assignment]
-        got = _KEPT.get((sig, logit_bound(q, k, scale) > HUGE_LOGIT))
-    return got  # type: ignore[return-value]
 
 
 def repeat(
@@ -261,33 +229,10 @@ def repeat(
     sig = of_call(q, k, v, mask, scale, return_lse, backend, _limit["bytes"])
     if sig is None:
         return None
-    got = _KEPT.get(sig)
-    if got is _BY_LOGITS:
-        got = kept(sig, q, k)  # type: ignore[arg-type]
-    if got is None or got.runner is None:  # type: ignore[union-attr]
+    got = kept.lookup(sig, q, k)  # type: ignore[arg-type]
+    if got is None or got.runner is None:
         return None
-    return got.runner(q, k, v)  # type: ignore[arg-type,union-attr]
-
-
-def clear_kept() -> None:
-    """Forget every kept plan (the next call of each signature is decided again)."""
-    _KEPT.clear()
-
-
-def _keep(sig: signature.Signature, plan: Plan, p: Problem) -> None:
-    if len(_KEPT) >= _MAX_KEPT:
-        _KEPT.clear()
-    backend = BACKENDS[plan.backend]
-    plan = replace(plan, route=backend.keep(plan.route))
-    # (no runner for a mask whose values a signature does not watch: it would reuse them)
-    runner = None if isinstance(sig.mask, Unwatched) else backend.runner(p, plan.route)
-    entry = Kept(plan, runner)
-    huge = p.reads.get("huge_logits")
-    if huge is None:
-        _KEPT[sig] = entry
-    else:
-        _KEPT[sig] = _BY_LOGITS
-        _KEPT[(sig, huge)] = entry
+    return got.runner(q, k, v)  # type: ignore[arg-type]
 
 
 def _decide(p: Problem, backend: object, *, dry_run: bool) -> Plan:
