@@ -388,3 +388,25 @@ def test_mods_decided_eagerly_and_then_collected_do_not_touch_a_compiled_graph()
     gc.collect()
     torch.testing.assert_close(f(q, k, v, score_mod=keep), want)
     assert counter.frame_count == 1, counter.frame_count
+
+
+def test_the_operators_plan_a_window_once_per_shape(monkeypatch):
+    """Inside the compiled graph, the engine's forward and backward operators keep the job of
+    a mask without tensors (a window) per shape: new q, k, v plan nothing again, and the
+    results stay equal to eager's."""
+    from qkv.backends.blocksparse import compiled
+
+    planned = []
+    real = compiled.make_job
+    monkeypatch.setattr(compiled, "make_job", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    monkeypatch.setattr(compiled, "_JOBS", {})
+    mask = qkv.sliding_window(40)
+    fn = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    for gen in (20, 21, 22):
+        q, k, v = (t.requires_grad_() for t in make_qkv(BIG, gen=gen))
+        out = fn(q, k, v, mask=mask)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(qkv.attention(q, k, v, mask=mask).sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(planned) == 2  # the forward operator's job, and the backward's

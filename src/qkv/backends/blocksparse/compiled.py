@@ -23,11 +23,13 @@ from ..._core.evaluate import mask_at, whole
 from ..._core.problem import Problem
 from ..._kinds import classify_mask
 from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
+from ..._planning.signature import native_setting
 from ..base import unit_last_stride
 from .autograd import captured
 from .backward import backward
 from .forward import forward
 from .grads import huge_lse
+from .job import Job
 from .plan import make_job
 
 Tensor = torch.Tensor
@@ -95,6 +97,33 @@ def _problem(
     )
 
 
+# Jobs of masks whose spec holds their whole structure (no mask tensors: no mask, causal,
+# windows, prefix-LM), kept by what planning reads: the compiled graph's forward and backward
+# operators then plan once per shape, not at every call (the eager path keeps its plans under
+# the call's signature). Bounded; a graph has few shapes.
+_JOBS: dict[tuple[object, ...], Job] = {}
+_MAX_JOBS = 64
+
+
+def _job(p: Problem) -> Job:
+    """``make_job(p)``, kept for masks without tensors (see ``_JOBS``)."""
+    if p.mask.kind not in ("none", "causal", "band", "prefix") or p.score.bias is not None:
+        return make_job(p)
+    grads = tuple(t.requires_grad for t in (p.q, p.k, p.v))
+    key = (p.mask.kind, p.mask.lo, p.mask.hi, p.mask.limit, p.score.kind, p.q.shape, p.k.shape,
+           p.v.shape, p.q.dtype, p.q.device, p.scale, grads, torch.is_grad_enabled(),
+           native_setting())  # fmt: skip
+    job = _JOBS.get(key)
+    if job is not None:
+        return job.for_run(call=p)
+    job = make_job(p)
+    if not job.replan:
+        if len(_JOBS) >= _MAX_JOBS:
+            _JOBS.clear()
+        _JOBS[key] = job.unbound()
+    return job
+
+
 @torch.library.custom_op("qkv::blocksparse", mutates_args=())
 def _forward_op(
     q: Tensor,
@@ -109,7 +138,7 @@ def _forward_op(
 ) -> tuple[Tensor, Tensor]:
     """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] float64)``; ``lse_grad``: whether
     a gradient may flow back through ``lse`` (the caller returns it)."""
-    job = make_job(_problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale))
+    job = _job(_problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale))
     with torch.no_grad():
         return forward(job, *_dense_last(job.fused, q, k, v))
 
@@ -143,7 +172,7 @@ def _backward_op(
             t.detach().requires_grad_(n) for t, n in zip(score_tensors, need[3:], strict=True)
         ]
         p = _problem(q, k, v, mask_spec, mask_tensors, score_spec, leaves, scale)
-        job = make_job(p)
+        job = _job(p)
         if job.fused and huge_lse(lse):
             # As eager does (BlocksparseBackend.run): rows beyond what the fused kernel's
             # recomputed scores keep exact are redone with explicit matmuls.
