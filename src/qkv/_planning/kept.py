@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,9 +22,6 @@ from ..backends import BACKENDS
 from ..backends.base import HUGE_LOGIT, Runner, logit_bound
 from .signature import SCALE, Signature
 
-if TYPE_CHECKING:
-    from ..planner import Plan
-
 Tensor = torch.Tensor
 
 
@@ -32,7 +29,7 @@ class Kept(NamedTuple):
     """A plan kept under a signature, and its route as a function of the tensors alone when
     the backend gives one (:meth:`qkv.backends.base.Backend.runner`)."""
 
-    plan: Plan
+    plan: Any  # a qkv.planner.Plan (the planner imports this module, not the other way)
     runner: Runner | None
 
 
@@ -66,7 +63,7 @@ def clear() -> None:
     _GUARDS.clear()
 
 
-def keep(sig: Signature, plan: Plan, p: Problem) -> None:
+def keep(sig: Signature, plan: Any, p: Problem) -> None:
     """Keep ``plan``, decided for ``p``, under ``p``'s signature ``sig`` (with the runner its
     backend gives, if any), until a tensor or mod the signature holds weakly is freed."""
     if len(_KEPT) >= _MAX_KEPT:
