@@ -410,3 +410,13 @@ def test_the_operators_plan_a_window_once_per_shape(monkeypatch):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(planned) == 2  # the forward operator's job, and the backward's
+
+
+def test_a_padding_mask_under_the_default_compile_breaks_no_graph():
+    """Evaluating a padding mask while dynamo traces names it only in an error (its name
+    reads its lengths: three graph breaks under the default compile when it was made
+    eagerly for every block)."""
+    q, k, v = make_qkv(Shape(1, 4, 2, 200, 200, 32), gen=23)
+    mask = qkv.padding(torch.tensor([195]))
+    explained = torch._dynamo.explain(qkv.attention)(q, k, v, mask=mask)
+    assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]

@@ -176,21 +176,25 @@ def check_bias_tensor(bias: Tensor, q: Tensor, target: tuple[int, int, int, int]
 
 
 def check_mask_result(result: object, mod: Callable[..., Any], shape: tuple[int, ...]) -> Tensor:
-    """Check what a mask_mod returned for a block of ``shape`` and return it as a 4-D bool."""
-    name = callable_name(mod)
+    """Check what a mask_mod returned for a block of ``shape`` and return it as a 4-D bool.
+    The mod is named only in an error (a padding mask's name reads its lengths: a graph
+    break while dynamo traces)."""
     if isinstance(result, bool):
         return torch.tensor(result).view(1, 1, 1, 1)
     if not isinstance(result, Tensor):
+        name = callable_name(mod)
         raise TypeError(
             f"mask_mod {name} returned {type(result).__name__}; it must return a bool tensor "
             f"built from its index arguments (use torch.where / & / | / ~, not Python if/and/or)"
         )
     if result.dtype != torch.bool:
+        name = callable_name(mod)
         raise TypeError(
             f"mask_mod {name} returned a {result.dtype} tensor; it must return bools "
             f"(True = may attend), e.g. compare with >=, == or use .bool()"
         )
     if not broadcastable(tuple(result.shape), shape):
+        name = callable_name(mod)
         raise ValueError(
             f"mask_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
             f"to the block {list(shape)} it was asked for; index only with its b, h, q_idx, "
