@@ -182,14 +182,27 @@ def test_a_built_in_score_mod_is_kept_and_bound_per_call(case):
     assert [r() is None for r in refs] == [True, True, True], "a kept plan holds the tensors"
 
 
-def test_a_repeat_call_is_not_decided_again(monkeypatch):
-    """A kept signature is decided once, also where the route has per-call work (a window
-    with gradients: the door runs, the planner does not); a new ids tensor is a new one."""
+def _counting(monkeypatch):
+    """The list of planner decisions made from now on (qkv.plan's dry runs not counted)."""
     from qkv import planner
 
     decided = []
     real = planner._decide
-    monkeypatch.setattr(planner, "_decide", lambda *a, **kw: decided.append(1) or real(*a, **kw))
+
+    def count(*a, **kw):
+        if not kw["dry_run"]:
+            decided.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(planner, "_decide", count)
+    return decided
+
+
+def test_a_repeat_call_is_not_decided_again(monkeypatch):
+    """A kept signature is decided once, also where the route has per-call work (a window
+    with gradients: the door runs, the planner does not); a new ids tensor is a new one."""
+
+    decided = _counting(monkeypatch)
     q, k, v = make_qkv(SMALL, gen=12, requires_grad=True)
     for mask in (qkv.sliding_window(8), qkv.document(torch.arange(48) % 3)):
         for _ in range(3):
@@ -206,17 +219,8 @@ def test_huge_logits_keep_a_plan_for_each_answer(monkeypatch):
     """A decision that read the logits (SDPA's backward loses precision past a bound) is
     kept per answer: ordinary, huge, and ordinary again each run their own backend, each
     decided once."""
-    from qkv import planner
 
-    decided = []  # (qkv.plan decides too, with dry_run: not counted)
-    real = planner._decide
-
-    def count(*a, **kw):
-        if not kw["dry_run"]:
-            decided.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(planner, "_decide", count)
+    decided = _counting(monkeypatch)  # (qkv.plan decides too, with dry_run: not counted)
     shape = Shape(1, 2, 2, 48, 48, 32)
     q, k, v = make_qkv(shape, gen=13, requires_grad=True)
     huge = [(t.detach() * 100).requires_grad_() for t in (q, k)]
@@ -262,11 +266,8 @@ def test_a_user_score_mod_is_kept_and_reads_its_tensors_at_each_call(monkeypatch
     """A user's score_mod is part of the signature weakly: the decision is kept (decided
     once), and each call reads the tensors it closes over as they are then (an in-place
     edit shows at once), gradients into them included, equal to the oracle."""
-    from qkv import planner
 
-    decided = []
-    real = planner._decide
-    monkeypatch.setattr(planner, "_decide", lambda *a, **kw: decided.append(1) or real(*a, **kw))
+    decided = _counting(monkeypatch)
     scale = torch.tensor([0.5], requires_grad=True)
 
     def tilt(score, b, h, q_idx, kv_idx):
@@ -285,21 +286,6 @@ def test_a_user_score_mod_is_kept_and_reads_its_tensors_at_each_call(monkeypatch
         for a, b in zip(got, want, strict=True):  # (scale's: a sum over 40 K scores)
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
     assert len(decided) == 1
-
-
-def _counting(monkeypatch):
-    from qkv import planner
-
-    decided = []
-    real = planner._decide
-
-    def count(*a, **kw):
-        if not kw["dry_run"]:
-            decided.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(planner, "_decide", count)
-    return decided
 
 
 @pytest.mark.parametrize(
