@@ -2,6 +2,7 @@
 
 - ``signature.py``: what a decision reads, as one hashable value (shapes, dtypes, devices,
   gradient flags, the mask and score as tokens, the scalars, the environment);
-- :mod:`qkv.planner` decides from a problem and keeps the plan under its signature, so a
-  repeat call of the same signature is not decided again.
+- ``kept.py``: the plans kept under their signatures, so a repeat call of a signature is not
+  decided again (:func:`qkv.planner.decide` looks there first);
+- ``about.py``: what :func:`qkv.plan` shows of a call beyond its decision.
 """

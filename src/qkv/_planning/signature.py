@@ -10,10 +10,10 @@ What a signature holds:
   and devices, which of them (and a bias) need a gradient;
 - the mask and the score as *tokens* (``qkv._kindspec.mask_token``, ``score_token``): a
   built-in band mask (``qkv.causal``, ``qkv.sliding_window``; it holds no tensors) as
-  itself; a document or padding mask, a combination of built-ins, and a bias tensor, by
-  identity and by their tensors' identities and version counters, held weakly (an in-place
-  edit of the ids or lengths is a new signature; a freed tensor's token equals nothing made
-  later); a score_mod weakly (the decision reads its kind, not its values);
+  itself; a document or padding mask and a bias tensor by their tensors' identities and
+  version counters, held weakly (an in-place edit of the ids or lengths is a new signature;
+  a freed tensor's token equals nothing made later); a combination of built-ins weakly, with
+  its parts' tokens; a score_mod weakly (the decision reads its kind, not its values);
 - the scale, dropout, ``return_lse``, the input's number of dims, the backend asked for;
 - the environment the decision reads: ``QKV_NATIVE``, the dense-memory limit, the number of
   threads.
