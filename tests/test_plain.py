@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qkv
-from catalogue import Shape, make_qkv
+from catalogue import LAYOUTS, Shape, lay_out, make_qkv
 
 SMALL = Shape(4, 4, 2, 48, 48, 32)
 
@@ -354,3 +354,34 @@ def test_a_plan_kept_for_freed_tensors_is_forgotten():
         assert len(store._KEPT) <= 2, "plans of freed masks were kept"
         del ids, mask
     assert len(store._KEPT) <= 1 and len(store._GUARDS) <= 1
+
+
+@pytest.mark.parametrize(
+    ("case", "shape"),
+    [
+        ("none", Shape(1, 9, 3, 1, 64, 64)),  # a decode step: the decode kernel's runner
+        ("causal", SMALL),
+        ("window", SMALL),  # the compiled band kernel's runner (no gradient)
+        ("document_mixed", SMALL),
+        ("padding", SMALL),
+    ],
+    ids=["decode", "causal", "window", "document", "padding"],
+)
+def test_a_kept_plan_takes_every_memory_layout_and_a_nan(case, shape):
+    """A signature holds no strides: the plan (and runner) kept from a contiguous first call
+    runs later calls in every memory layout, equal to the oracle, and a NaN in a later call's
+    keys reaches every row that sees it (the contract lets it reach rows the mask hides it
+    from too: SDPA's dense mask does; the rows left finite equal the oracle)."""
+    q0, k0, v0 = make_qkv(shape, gen=24)
+    mask = _KEPT_CASES[case](shape.Lk)
+    assert _close(qkv.attention(q0, k0, v0, mask=mask), _oracle(q0, k0, v0, mask))
+    for layout in LAYOUTS:
+        q, k, v = (lay_out(t, layout) for t in make_qkv(shape, gen=25))
+        assert _close(qkv.attention(q, k, v, mask=mask), _oracle(q, k, v, mask)), layout
+    k = k0.clone()
+    k[..., 0, :] = float("nan")  # key 0: every row that may attend to it gives NaN
+    out = qkv.attention(q0, k, v0, mask=mask)
+    want = _oracle(q0, k, v0, mask)
+    assert bool(want.isnan().any()) and bool(out.isnan()[want.isnan()].all())
+    fine = ~out.isnan()
+    assert bool(((out.double() - want).abs()[fine] < 1e-5).all())
