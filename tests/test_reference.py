@@ -212,3 +212,42 @@ def test_dropout_acts_on_probabilities_and_rescales(backend):
     assert torch.equal(
         qkv.attention(q, k, v, backend=backend), qkv.attention(q, k, v, backend=backend)
     )
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "bool",
+        "mod",
+        qkv.and_masks(qkv.causal, qkv.document(torch.arange(13) // 5)),
+        qkv.sliding_window(2),
+    ],
+    ids=["bool-tensor", "mask-mod", "causal-documents", "window"],
+)
+def test_rows_of_the_formula_are_its_rows(mask):
+    """``forward(p, rows=...)`` (the plain formula in chunks, as torch.compile runs it past the
+    dense limit) gives the rows of the whole: masks, a broadcast bias and a mod are taken at
+    those rows, GQA included, a fully masked row too. Equal to float32 rounding (a matmul of
+    fewer rows may block its sums differently); the masked weights are exactly 0 in both."""
+    from qkv._core.problem import validate
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 13, 7, generator=gen)
+    k, v = torch.randn(2, 2, 11, 7, generator=gen), torch.randn(2, 2, 11, 5, generator=gen)
+    if mask == "bool":
+        mask = torch.rand(1, 4, 13, 11, generator=gen) > 0.3
+        mask[..., 6, :] = False
+    elif mask == "mod":
+
+        def mask(b, h, qi, ki):
+            return (qi + ki + h) % 3 != 0
+
+    bias = torch.randn(1, 4, 13, 1, generator=gen)  # broadcast over batch and keys
+    p = validate(q, k, v, mask=mask, score_mod=bias)
+    out, lse, w = qkv.reference.forward(p, dropout_p=0.0)
+    for r0, r1 in ((0, 5), (5, 6), (6, 13)):
+        o, l, wr = qkv.reference.forward(p, dropout_p=0.0, rows=(r0, r1))
+        torch.testing.assert_close(o, out[:, :, r0:r1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(l, lse[:, :, r0:r1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(wr, w[:, :, r0:r1], rtol=1e-6, atol=1e-6)
+        assert torch.equal(wr == 0, w[:, :, r0:r1] == 0)

@@ -58,17 +58,21 @@ def attention(
     return p.restore(out), p.restore(weights)
 
 
-def forward(p: Problem, *, dropout_p: float) -> tuple[Tensor, Tensor, Tensor]:
+def forward(
+    p: Problem, *, dropout_p: float, rows: tuple[int, int] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``out [B, Hq, Lq, Dv]``, ``lse [B, Hq, Lq]`` (float32; float64 for float64 inputs) and
-    ``weights [B, Hq, Lq, Lk]``."""
+    ``weights [B, Hq, Lq, Lk]``; with ``rows`` ``(r0, r1)``, those of query rows ``r0 <= i <
+    r1`` only (``Lq`` becomes ``r1 - r0``: each row's attention is its own)."""
     cdt = p.compute_dtype
     g = p.groups
-    mask = dense_mask(p)  # evaluated first: a bad mask_mod fails before any arithmetic
+    mask = dense_mask(p, rows)  # evaluated first: a bad mask_mod fails before any arithmetic
     k = p.k.to(cdt).repeat_interleave(g, dim=1)  # [B, Hq, Lk, D]: query head h uses kv head h//g
     v = p.v.to(cdt).repeat_interleave(g, dim=1)  # [B, Hq, Lk, Dv]
+    q = p.q if rows is None else p.q[:, :, rows[0] : rows[1]]
 
-    scores = (p.q.to(cdt) @ k.transpose(-2, -1)) * p.scale  # [B, Hq, Lq, Lk]
-    scores = apply_score_mod(p, scores)
+    scores = (q.to(cdt) @ k.transpose(-2, -1)) * p.scale  # [B, Hq, Lq, Lk]
+    scores = apply_score_mod(p, scores, rows)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
 
