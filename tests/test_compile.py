@@ -265,21 +265,23 @@ def test_the_operator_takes_new_ids_and_user_mask_mods():
     torch.testing.assert_close(f(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
 
 
-def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole_within_the_dense_limit():
+def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():
     """A score_mod is code and cannot cross the engine's operator: under torch.compile the
     plain formula takes it into the graph (gradients into the tensor it closes over
-    included). Past the dense limit the default compile runs the engine eagerly behind one
-    graph break, and fullgraph=True fails saying why. qkv.plan says both beforehand."""
+    included). Past the dense limit it works in checkpointed chunks of query rows, still one
+    graph; only when one row's scores pass the limit does the default compile run the engine
+    eagerly behind one graph break, and fullgraph=True fails saying why. qkv.plan says so
+    beforehand."""
     q, k, v = make_qkv(BIG, gen=11)
     t = torch.rand(BIG.Hq, generator=torch.Generator().manual_seed(11)).requires_grad_()
 
     def tilt(s, b, h, qi, ki):
         return s - 0.01 * t[h] * (qi - ki).abs()
 
-    def run(fn):
+    def run(fn, **kw):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = fn(*leaves, mask=qkv.causal, score_mod=tilt)
-        return [out, *torch.autograd.grad(out.sum(), [*leaves, t])]
+        out, lse = fn(*leaves, mask=qkv.causal, score_mod=tilt, return_lse=True, **kw)
+        return [out, lse, *torch.autograd.grad(out.sum(), [*leaves, t])]
 
     def same(got, want):
         for a, b in zip(got, want, strict=True):
@@ -289,8 +291,24 @@ def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole_within_the_den
     torch._dynamo.reset()
     same(run(torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")), want)
 
-    old = qkv.set_dense_limit(1 << 20)  # the plain formula's scores no longer fit
+    # 8 MiB: all the scores at once need ~18 MiB, one row ~35 KiB: 3 chunks of 237 rows
+    old = qkv.set_dense_limit(1 << 23)
     try:
+        plan = qkv.plan(q, k, v, mask=qkv.causal, score_mod=tilt)
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        same(run(torch.compile(qkv.attention, fullgraph=True, backend=counter)), want)
+        assert counter.frame_count == 1, counter.frame_count
+        # dropout's mask is drawn once per chunk: the recomputed chunk draws the same one
+        # (out is linear in v, so <g, out> = <v, d<g, out>/dv> holds only if it does)
+        f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+        vv = v.detach().requires_grad_()
+        out = f(q, k, vv, mask=qkv.causal, score_mod=tilt, dropout_p=0.3)
+        g = torch.randn_like(out)
+        (dv,) = torch.autograd.grad((out * g).sum(), [vv])
+        torch.testing.assert_close((dv * vv).sum(), (out * g).sum(), rtol=1e-4, atol=1e-4)
+
+        qkv.set_dense_limit(1 << 10)  # not even one row's scores fit
         torch._dynamo.reset()
         counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
         same(run(torch.compile(qkv.attention, backend=counter)), want)
@@ -302,8 +320,8 @@ def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole_within_the_den
     finally:
         qkv.set_dense_limit(old)
     # qkv.plan (eager) says so beforehand, naming the mod; a built-in score compiles whole.
-    notes = qkv.plan(q, k, v, mask=qkv.causal, score_mod=tilt).notes
-    assert [n for n in notes if "under torch.compile" in n and "tilt" in n], notes
+    notes = [n for n in plan.notes if "under torch.compile" in n and "tilt" in n]
+    assert notes and "chunks of query rows" in notes[0], plan.notes
     notes = qkv.plan(q, k, v, mask=qkv.causal, score_mod=qkv.alibi(qkv.alibi_slopes(BIG.Hq))).notes
     assert not [n for n in notes if "under torch.compile" in n], notes
 

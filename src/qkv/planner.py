@@ -19,14 +19,14 @@ from ._planning import kept, signature
 from ._planning.about import About, describe
 from ._planning.signature import of_call
 from .backends import AUTO_ORDER, BACKENDS
-from .backends.base import Backend, Route, Unavailable
+from .backends.base import DENSE_LIMIT, Backend, Route, Unavailable
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Plan", "decide", "plan", "set_dense_limit"]
 
-_limit = {"bytes": 1 << 30}
+_limit = DENSE_LIMIT
 
 
 def set_dense_limit(nbytes: int) -> int:

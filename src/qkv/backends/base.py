@@ -113,6 +113,11 @@ def unit_last_stride(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
+# The largest extra memory (bytes) a call may need beyond its inputs: a route over it is
+# refused (``qkv.set_dense_limit`` sets it). Here, not in the planner, because a backend may
+# shape its route by it (the plain formula under torch.compile works in chunks within it).
+DENSE_LIMIT = {"bytes": 1 << 30}
+
 # Up to this many scores (B*Hq*Lq*Lk) a dense computation beats planning tiles: auto gives a
 # masked problem to SDPA with a dense mask (measured, benchmarks/RESULTS.md: H=8, window 64,
 # document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at

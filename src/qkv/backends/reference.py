@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import reference
+from .._core.evaluate import mask_at, score_at
 from .._core.problem import Problem
-from .base import SMALL_DENSE, Backend, Route, score_bytes
+from .base import DENSE_LIMIT, SMALL_DENSE, Backend, Route, score_bytes
 
 Tensor = torch.Tensor
+
+# Under torch.compile, the most query chunks the plain formula is cut into (each is traced
+# apart, so the graph and its compile time grow with their number).
+MAX_CHUNKS = 256
 
 
 class ReferenceBackend(Backend):
@@ -26,7 +33,8 @@ class ReferenceBackend(Backend):
         # eager computes them densely too, and beyond that only for what the block-sparse
         # engine's custom operator cannot take (a user's score_mod is code; dropout draws per
         # call), which would otherwise run eagerly behind a graph break. The dense limit
-        # still applies: past it such calls do take the graph break.
+        # still applies: past it the formula works in chunks of query rows within it (see
+        # route), and only a problem whose single row passes it takes the graph break.
         if not torch.compiler.is_compiling():
             return None
         if p.B * p.Hq * p.Lq * p.Lk <= SMALL_DENSE:
@@ -38,8 +46,8 @@ class ReferenceBackend(Backend):
             what = "a user's score_mod (code)" if p.score.kind == "mod" else "dropout"
             return (
                 f"under torch.compile the plain formula traces {what} into the graph; the "
-                "block-sparse engine's operator cannot take it (O(Lq*Lk) memory, within the "
-                "dense limit)"
+                "block-sparse engine's operator cannot take it (all Lq*Lk work; in chunks of "
+                "query rows past the dense limit)"
             )
         return None
 
@@ -48,14 +56,73 @@ class ReferenceBackend(Backend):
         # autograd keeps about as much again for the backward; a mask_mod is evaluated densely.
         copies = 3 + (1 if p.dropout_p > 0 else 0)
         dense = p.mask.kind not in ("none", "tensor")
-        mask = p.B * p.Hq * p.Lq * p.Lk if dense else 0
+        full = score_bytes(p, copies) + (p.B * p.Hq * p.Lq * p.Lk if dense else 0)
+        rows = _chunk_rows(p, full)
+        if rows is None:
+            return Route(
+                forward="materialises the full score matrix (the plain formula)",
+                backward="autograd through the plain formula",
+                extra_memory=full,
+                notes=("the reference materialises all Lq x Lk scores: O(n^2) memory",),
+            )
+        chunks = math.ceil(p.Lq / rows)
         return Route(
-            forward="materialises the full score matrix (the plain formula)",
-            backward="autograd through the plain formula",
-            extra_memory=score_bytes(p, copies) + mask,
-            notes=("the reference materialises all Lq x Lk scores: O(n^2) memory",),
+            forward=f"the plain formula in {chunks} chunks of up to {rows} query rows, one "
+            "chunk's scores at a time",
+            backward="autograd through the plain formula, each chunk's scores recomputed "
+            "(torch.utils.checkpoint)",
+            extra_memory=math.ceil(full / p.Lq) * rows,
+            notes=(
+                "under torch.compile its Lq x Lk scores would pass the dense limit: the rows "
+                "are cut into chunks that fit it, each traced into the graph",
+            ),
+            detail=rows,
         )
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
+        if isinstance(route.detail, int):
+            return _in_chunks(p, route.detail)
         out, lse, _ = reference.forward(p, dropout_p=p.dropout_p)
         return out, (lse if p.return_lse else None)
+
+
+def _chunk_rows(p: Problem, full: int) -> int | None:
+    """Query rows per chunk when the plain formula runs a call in chunks: only while dynamo
+    traces what the block-sparse engine's operator cannot take (a user's score_mod, dropout),
+    when all its scores at once (``full`` bytes) would pass the dense limit and the rows fit
+    it in at most :data:`MAX_CHUNKS` chunks; else ``None`` (the whole matrix at once)."""
+    if not torch.compiler.is_compiling() or (p.score.kind != "mod" and p.dropout_p == 0):
+        return None
+    limit = DENSE_LIMIT["bytes"]
+    if full <= limit or p.Lq == 0:
+        return None
+    rows = limit // math.ceil(full / p.Lq)
+    if rows == 0 or math.ceil(p.Lq / rows) > MAX_CHUNKS:
+        return None  # (over the limit whole: the planner refuses it with the figure)
+    return rows
+
+
+def _in_chunks(p: Problem, rows: int) -> tuple[Tensor, Tensor | None]:
+    """The plain formula over query rows ``rows`` at a time, each chunk checkpointed (its
+    backward recomputes its scores): ``out [B, Hq, Lq, Dv]`` and ``lse``."""
+    import torch.utils.checkpoint  # (imports dynamo: only ever called while dynamo traces)
+
+    # A user mod decides how to call it on its first call, and a checkpointed region may not
+    # change a Python object: the first call is made here, on one score.
+    one = (0, 1)
+    if p.score.kind != "none":
+        score_at(p.score, p.q.new_zeros(1, 1, 1, 1, dtype=p.compute_dtype), one, one, one, one)
+    mask_at(p.mask, one, one, one, one, p.device)
+
+    def chunk(r0: int, r1: int) -> tuple[Tensor, Tensor]:
+        out, lse, _ = reference.forward(p, dropout_p=p.dropout_p, rows=(r0, r1))
+        return out, lse
+
+    outs, lses = [], []
+    for r0 in range(0, p.Lq, rows):
+        out, lse = torch.utils.checkpoint.checkpoint(
+            chunk, r0, min(p.Lq, r0 + rows), use_reentrant=False
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if p.return_lse else None)

@@ -96,8 +96,9 @@ class BlocksparseBackend(Backend):
         if dry_run and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE and (why := compiled.why_not(p)):
             notes.append(
                 f"under torch.compile the engine's operator cannot take this call ({why}): "
-                "the plain formula runs it in the graph (O(Lq*Lk) memory) within the dense "
-                "limit; past it the engine runs eagerly behind one graph break, which "
+                "the plain formula runs it in the graph, in chunks of query rows when all "
+                "its scores would pass the dense limit; only if one row's do (or it needs "
+                "over 256 chunks) does the engine run eagerly behind one graph break, which "
                 "fullgraph=True refuses"
             )
         # The tile plan shown: the job's own, or (for routes that need none) the default one.

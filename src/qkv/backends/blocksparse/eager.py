@@ -1,6 +1,7 @@
 """The block-sparse engine's eager path behind one graph break, for the calls its custom
 operator cannot take while dynamo traces (a user's score_mod beyond 2^20 scores, dropout)
-and the plain formula cannot either (its dense scores would pass the dense limit).
+and the plain formula cannot either (even its chunks of query rows would pass the dense limit,
+or be too many to trace).
 
 Its own module, imported only while dynamo traces: ``torch.compiler.disable`` imports dynamo,
 which an ``import qkv`` must not (importing it before Triton's kernels are defined breaks
@@ -23,9 +24,10 @@ __all__ = ["eagerly"]
 
 @torch.compiler.disable(
     reason="qkv: this call runs its block-sparse engine eagerly: a user's score_mod (code) "
-    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout), and its "
-    "dense scores pass the dense limit. fullgraph=True needs a built-in score (a bias "
-    "tensor, qkv.alibi, qkv.softcap, qkv.relative_bias) or a higher qkv.set_dense_limit"
+    "beyond 2^20 scores cannot cross the engine's custom operator (nor can dropout), and the "
+    "plain formula's scores pass the dense limit even in 256 chunks of query rows. "
+    "fullgraph=True needs a built-in score (a bias tensor, qkv.alibi, qkv.softcap, "
+    "qkv.relative_bias) or a higher qkv.set_dense_limit"
 )
 def eagerly(
     backend: Any,
