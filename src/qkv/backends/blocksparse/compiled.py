@@ -21,7 +21,7 @@ import torch
 
 from ..._core.evaluate import mask_at, whole
 from ..._core.problem import Problem
-from ..._kinds import classify_mask
+from ..._kinds import MaskKind, ScoreKind, classify_mask
 from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._planning.signature import native_setting
 from ..base import unit_last_stride
@@ -88,13 +88,30 @@ def _problem(
         q=q,
         k=k,
         v=v,
-        mask=mask_from_spec(ms, mt),
-        score=score_from_spec(ss, st),
+        mask=_MASKS[ms] if not mt and ms in _MASKS else _kind(ms, mt, _MASKS, mask_from_spec),
+        score=_SCORES[ss] if not st and ss in _SCORES else _kind(ss, st, _SCORES, score_from_spec),
         scale=scale,
         dropout_p=0.0,
         return_lse=True,
         orig_ndim=4,
     )
+
+
+# The kinds of specs without tensors (a window's, a softcap's), parsed once: the operators
+# rebuild their problem at every call of a compiled graph, forward and backward.
+_MASKS: dict[str, MaskKind] = {}
+_SCORES: dict[str, ScoreKind] = {}
+_MAX_SPECS = 256
+
+
+def _kind(spec: str, tensors: list[Tensor], kept: dict[str, Any], parse: Any) -> Any:
+    """``parse(spec, tensors)``, kept in ``kept`` when the spec holds no tensor."""
+    kind = parse(spec, tensors)
+    if not tensors:
+        if len(kept) >= _MAX_SPECS:
+            kept.clear()
+        kept[spec] = kind
+    return kind
 
 
 # Jobs of masks whose spec holds their whole structure (no mask tensors: no mask, causal,
