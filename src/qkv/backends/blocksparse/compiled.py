@@ -120,16 +120,18 @@ def _kind(spec: str, tensors: list[Tensor], kept: dict[str, Any], parse: Any) ->
 # the call's signature). Bounded; a graph has few shapes.
 _JOBS: dict[tuple[object, ...], Job] = {}
 _MAX_JOBS = 64
+_KEPT_MASKS = ("none", "causal", "band(", "prefix(")
 
 
-def _job(p: Problem) -> Job:
-    """``make_job(p)``, kept for masks without tensors (see ``_JOBS``)."""
-    if p.mask.kind not in ("none", "causal", "band", "prefix") or p.score.bias is not None:
+def _job(p: Problem, ms: str, ss: str) -> Job:
+    """``make_job(p)``, kept for masks without tensors (see ``_JOBS``); ``ms`` and ``ss`` are
+    ``p``'s specs. The key is what planning reads, the specs standing for the kinds (their
+    tensors' values are read from the bound problem at every call)."""
+    if not ms.startswith(_KEPT_MASKS) or ss.startswith("bias("):
         return make_job(p)
-    grads = tuple(t.requires_grad for t in (p.q, p.k, p.v))
-    key = (p.mask.kind, p.mask.lo, p.mask.hi, p.mask.limit, p.score.kind, p.q.shape, p.k.shape,
-           p.v.shape, p.q.dtype, p.q.device, p.scale, grads, torch.is_grad_enabled(),
-           native_setting())  # fmt: skip
+    q, k, v = p.q, p.k, p.v
+    key = (ms, ss, q.shape, k.shape, v.shape, q.dtype, q.device, p.scale, q.requires_grad,
+           k.requires_grad, v.requires_grad, torch.is_grad_enabled(), native_setting())  # fmt: skip
     job = _JOBS.get(key)
     if job is not None:
         return job.for_run(call=p)
@@ -155,7 +157,8 @@ def _forward_op(
 ) -> tuple[Tensor, Tensor]:
     """``(out [B, Hq, Lq, Dv] in q's dtype, lse [B, Hq, Lq] float64)``; ``lse_grad``: whether
     a gradient may flow back through ``lse`` (the caller returns it)."""
-    job = _job(_problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale))
+    p = _problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale)
+    job = _job(p, mask_spec, score_spec)
     with torch.no_grad():
         return forward(job, *_dense_last(job.fused, q, k, v))
 
@@ -189,7 +192,7 @@ def _backward_op(
             t.detach().requires_grad_(n) for t, n in zip(score_tensors, need[3:], strict=True)
         ]
         p = _problem(q, k, v, mask_spec, mask_tensors, score_spec, leaves, scale)
-        job = _job(p)
+        job = _job(p, mask_spec, score_spec)
         if job.fused and huge_lse(lse):
             # As eager does (BlocksparseBackend.run): rows beyond what the fused kernel's
             # recomputed scores keep exact are redone with explicit matmuls.
