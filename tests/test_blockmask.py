@@ -84,7 +84,7 @@ def test_builtins_at_a_million_positions():
     """n = 2**20 (10^12 positions) plans from structure alone; the mask_mod is never called."""
     calls = []
 
-    class Counting(qkv.masks._Band):  # private: a built-in band that counts its calls
+    class Counting(qkv._core.builtin_mods.Band):  # private: a built-in band that counts its calls
         def __call__(self, b, h, q_idx, kv_idx):
             calls.append(q_idx.numel() * kv_idx.numel())
             return super().__call__(b, h, q_idx, kv_idx)

@@ -254,10 +254,12 @@ def test_a_failed_build_is_passed_over_with_the_reason(monkeypatch, caplog):
 def test_a_key_limit_shared_by_the_batch():
     """A padding kind whose end is one int for every batch element (a cache's valid length)
     with per-batch starts: the shared end reaches the kernel as a [B] tensor."""
-    from qkv.masks import _KvBelow  # private: the kind qkv's caches build, not a public mask
+    from qkv._core.builtin_mods import (
+        KvBelow,  # private: the kind qkv's caches build, not a public mask
+    )
 
     q, k, v = make_qkv(Shape(3, 4, 2, 1, 60, 16), gen=8)
-    mask = _KvBelow(45, "keys 0..44 from start", start=torch.tensor([0, 10, 50]))
+    mask = KvBelow(45, "keys 0..44 from start", start=torch.tensor([0, 10, 50]))
     assert qkv.plan(q, k, v, mask=mask).backend == "decode"
     out, lse = decode(q, k, v, mask=mask)
     want_out, want_lse = qkv.attention(q, k, v, mask=mask, backend="reference", return_lse=True)

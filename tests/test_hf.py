@@ -15,7 +15,7 @@ from transformers import masking_utils as mu
 import qkv
 import qkv.hf
 from hf_families import build, padded_batch, rel_err
-from qkv._kinds import classify_mask  # which kind a translated mask is: the point of the test
+from qkv._core.kinds import classify_mask  # which kind a translated mask is: the point of the test
 from qkv.hf import HFMask, mask_function
 
 qkv.hf.register()

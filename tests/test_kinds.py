@@ -1,4 +1,4 @@
-"""Classification at the door (qkv._kinds): every mask and score becomes one tagged kind, and
+"""Classification at the door (qkv._core.kinds): every mask and score becomes one tagged kind, and
 combinations of built-ins are simplified to the kind they are — without changing a single
 position they allow."""
 
@@ -9,8 +9,8 @@ import torch
 
 import qkv
 from qkv._core.evaluate import grid
+from qkv._core.kinds import MASK_KINDS, band, classify_mask, classify_score  # the unit under test
 from qkv._core.positions import mask_at  # the KV-cache shift, tested on purpose
-from qkv._kinds import MASK_KINDS, band, classify_mask, classify_score  # the unit under test
 
 L = 40
 

@@ -166,7 +166,7 @@ def test_the_graph_is_read_from_the_source() -> None:
     assert len(g) > 40
     assert {"qkv.functional", "qkv.planner", "qkv.inspect", "qkv.modules"} <= g["qkv"]
     assert "qkv._recording" in g["qkv.functional"]  # from . import _recording, planner
-    assert "qkv._kinds" in g["qkv._core.positions"]  # from ._kinds import MaskKind, band
+    assert "qkv._core.kinds" in g["qkv._core.positions"]  # from .kinds import MaskKind, band
     assert "qkv.inspect._weights" in g["qkv.inspect._record"]  # from ._weights import ...
     assert "qkv.modules" in g["qkv.models.bert"]  # from ..modules import ...
     # A made-up cycle is found, and a chain is not one.

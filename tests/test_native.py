@@ -20,11 +20,11 @@ import torch
 
 import qkv
 from catalogue import Shape, make_qkv
+from qkv._core.builtin_mods import Band
 from qkv.backends.blocksparse import native as _native
 
 # private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends.blocksparse import plan as plan_mod
-from qkv.masks import _Band
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 needs_compiler = pytest.mark.skipif(
@@ -83,7 +83,7 @@ def test_band_kernel_matches_the_oracle(L, dims, heads, band):
     "mask",
     [
         qkv.sliding_window(0, 0),  # each row sees only its own key (rows past Lk see none)
-        _Band(50, 60, "keys 50-60 ahead"),  # past every key: no row sees anything
+        Band(50, 60, "keys 50-60 ahead"),  # past every key: no row sees anything
     ],
     ids=["diagonal", "empty"],
 )

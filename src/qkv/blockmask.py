@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ._core.checks import as_4d, broadcastable
+from ._core.kinds import MaskKind, classify_mask
 from ._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
 from ._flex.compat import adopt_mask
-from ._kinds import MaskKind, classify_mask
 
 Tensor = torch.Tensor
 
@@ -54,7 +54,7 @@ class BlockMask:
         states: int8 ``[B|1, H|1, nq, nk]``, 0 = empty, 1 = partial, 2 = full (on the CPU).
         mask_mod: the mask as a mask_mod, for backends that materialise it densely.
         mask: what it was built from (a bool tensor right-aligned to 4 dims).
-        kind: the mask classified (:class:`qkv._kinds.MaskKind`), with this plan attached.
+        kind: the mask classified (:class:`qkv._core.kinds.MaskKind`), with this plan attached.
     """
 
     def __init__(

@@ -6,10 +6,11 @@ tensors (``b [B,1,1,1]``, ``h [1,H,1,1]``, ``q_idx [1,1,Lq,1]``, ``kv_idx [1,1,1
 per element, so any mask built from comparisons, indexing, ``&``, ``|``, ``~`` and
 ``torch.where`` works without vmap or compile.
 
-The built-ins are small objects rather than plain functions: they also carry their structure
-(a band of diagonals, a prefix of keys, equal document ids). :mod:`qkv._kinds` reads it once
-per call, so the tile planner (:mod:`qkv._core.tiles`) classifies blocks as empty, full or partial
-without evaluating n² positions, and combinations reach the kernel of the mask they equal.
+The built-ins are small objects rather than plain functions (:mod:`qkv._core.builtin_mods`):
+they also carry their structure (a band of diagonals, a prefix of keys, equal document ids).
+:mod:`qkv._core.kinds` reads it once per call, so the tile planner (:mod:`qkv._core.tiles`)
+classifies blocks as empty, full or partial without evaluating n² positions, and combinations
+reach the kernel of the mask they equal.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ._core.checks import callable_name, check_mask_result
+from ._core.builtin_mods import CAUSAL, And, Band, Document, KvBelow, Or
+from ._core.checks import callable_name
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -35,48 +37,7 @@ __all__ = [
 ]
 
 
-class _BuiltinMask:
-    """Base of the built-in mask_mods: callable, printable, checked against the problem."""
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        """Raise ValueError if this mask cannot describe a ``[B, H, Lq, Lk]`` problem."""
-
-    def carried(self) -> list[tuple[str, object]]:
-        """What this mask holds beyond its name, as ``(what, value)``: its tensors (ids,
-        lengths) and, for a combination, its parts. ``qkv.distributed`` compares them across
-        ranks; the per-device copies a mask keeps are not part of it."""
-        return []
-
-    @property
-    def __name__(self) -> str:  # error messages name a mask_mod by __name__
-        return repr(self)
-
-
-class _Band(_BuiltinMask):
-    """Attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded on that side)."""
-
-    def __init__(self, lo: int | None, hi: int | None, name: str) -> None:
-        self.lo, self.hi, self._name = lo, hi, name
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        d = kv_idx - q_idx
-        lo, hi = self.lo, self.hi
-        if lo is not None and hi is not None:
-            return (d >= lo) & (d <= hi)
-        if hi is not None:
-            return d <= hi
-        if lo is not None:
-            return d >= lo
-        return torch.ones_like(d, dtype=torch.bool)
-
-    def __repr__(self) -> str:
-        return self._name
-
-
-causal: MaskMod = _Band(None, 0, "qkv.causal")
+causal: MaskMod = CAUSAL
 causal.__doc__ = """Causal mask: ``q_idx >= kv_idx``, aligned top-left.
 
 This is ``is_causal=True`` in ``torch.nn.functional.scaled_dot_product_attention``: query ``i``
@@ -118,63 +79,7 @@ def sliding_window(left: int, right: int = 0) -> MaskMod:
                 f"of the query"
             )
     name = f"qkv.sliding_window({left})" if right == 0 else f"qkv.sliding_window({left}, {right})"
-    return _Band(-left, right, name)
-
-
-class _KvBelow(_BuiltinMask):
-    """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
-    ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
-
-    def __init__(self, limit: int | Tensor, name: str | None, start: Tensor | None = None) -> None:
-        # name None: a padding mask, named from its tensors when first shown (reading their
-        # values inside a compiled function would break the graph)
-        self.limit, self._name_of, self.start = limit, name, start
-        # copies per device, with the version of the tensor they copied: an in-place edit of
-        # the lengths makes a new copy instead of leaving a stale one
-        self._by_device: dict[tuple[str, torch.device], tuple[int, Tensor]] = {}
-
-    def _on(self, what: str, t: Tensor, device: torch.device) -> Tensor:
-        if torch.compiler.is_compiling() or t.is_inference():
-            # traced once (a version is symbolic there); inference tensors have no version
-            return t.to(device=device, dtype=torch.int64)
-        got = self._by_device.get((what, device))
-        if got is None or got[0] != t._version:
-            got = (t._version, t.to(device=device, dtype=torch.int64))
-            self._by_device[(what, device)] = got
-        return got[1]
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        if isinstance(self.limit, int):
-            ok = kv_idx < self.limit
-        else:
-            ok = kv_idx < self._on("limit", self.limit, kv_idx.device)[b]
-        if self.start is not None:
-            ok = ok & (kv_idx >= self._on("start", self.start, kv_idx.device)[b])
-        return ok
-
-    def carried(self) -> list[tuple[str, object]]:
-        ends = "padding lengths" if self.start is None else "padding ends (start + lengths)"
-        return [(ends, self.limit), ("padding starts", self.start)]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        if isinstance(self.limit, Tensor) and self.limit.shape[0] != B:
-            raise ValueError(
-                f"{self._name} has {self.limit.shape[0]} lengths but the batch size is {B}; "
-                f"give one key length per batch element"
-            )
-
-    @property
-    def _name(self) -> str:
-        if self._name_of is not None:
-            return self._name_of
-        assert isinstance(self.limit, Tensor)
-        if self.start is None:
-            return f"qkv.padding({self.limit.tolist()})"
-        lengths = (self.limit - self.start).tolist()
-        return f"qkv.padding({lengths}, start={self.start.tolist()})"
-
-    def __repr__(self) -> str:
-        return self._name
+    return Band(-left, right, name)
 
 
 def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
@@ -195,7 +100,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
     """
     _check_counts("padding lengths", lengths)
     if start is None:
-        return _KvBelow(lengths.detach(), None)
+        return KvBelow(lengths.detach(), None)
     _check_counts("padding start", start)
     if start.shape != lengths.shape:
         raise ValueError(
@@ -203,7 +108,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
             f"{tuple(lengths.shape)}; give one start per batch element"
         )
     end = (start.to(torch.int64) + lengths.to(torch.int64)).detach()
-    return _KvBelow(end, None, start.detach().to(torch.int64))
+    return KvBelow(end, None, start.detach().to(torch.int64))
 
 
 def _check_counts(what: str, t: object) -> None:
@@ -221,42 +126,6 @@ def _check_counts(what: str, t: object) -> None:
         torch._assert_async((t >= 0).all(), f"{what} must be >= 0")
     elif t.numel() and int(t.min()) < 0:
         raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
-
-
-class _Document(_BuiltinMask):
-    """Attend iff ``ids[q_idx] == ids[kv_idx]``."""
-
-    def __init__(self, ids: Tensor) -> None:
-        self.ids = ids
-        # copies per device, with the version of the ids they copied (see _KvBelow._on)
-        self._by_device: dict[torch.device, tuple[int, Tensor]] = {}
-
-    def _ids(self, device: torch.device) -> Tensor:
-        if torch.compiler.is_compiling() or self.ids.is_inference():  # (see _KvBelow._on)
-            return self.ids.to(device)
-        got = self._by_device.get(device)
-        if got is None or got[0] != self.ids._version:
-            got = (self.ids._version, self.ids.to(device))
-            self._by_device[device] = got
-        return got[1]
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        ids = self._ids(q_idx.device)
-        return ids[q_idx] == ids[kv_idx]
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("document ids", self.ids)]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        n = self.ids.shape[0]
-        if n < max(Lq, Lk):
-            raise ValueError(
-                f"qkv.document ids has {n} entries but q_len={Lq} and kv_len={Lk}; the ids "
-                f"must cover max(q_len, kv_len) = {max(Lq, Lk)} positions"
-            )
-
-    def __repr__(self) -> str:
-        return f"qkv.document(<{self.ids.shape[0]} ids>)"
 
 
 def document(ids: Tensor) -> MaskMod:
@@ -285,7 +154,7 @@ def document(ids: Tensor) -> MaskMod:
             f"document ids must be a 1-D integer tensor, got shape {tuple(ids.shape)} and "
             f"dtype {ids.dtype}"
         )
-    return _Document(ids.detach())
+    return Document(ids.detach())
 
 
 def prefix_lm(n: int) -> MaskMod:
@@ -306,52 +175,7 @@ def prefix_lm(n: int) -> MaskMod:
         raise TypeError(f"prefix_lm length must be an int, got {type(n).__name__}")
     if n < 0:
         raise ValueError(f"prefix_lm length must be >= 0, got {n}")
-    return _Or((_KvBelow(n, f"kv_idx < {n}"), causal), f"qkv.prefix_lm({n})")
-
-
-class _Combined(_BuiltinMask):
-    def __init__(self, mods: tuple[Any, ...], name: str) -> None:
-        self.mods, self._name = mods, name
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("part", m) for m in self.mods]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        for m in self.mods:
-            check = getattr(m, "_check_problem", None)
-            if check is not None:
-                check(B, H, Lq, Lk)
-
-    def __repr__(self) -> str:
-        return self._name
-
-
-class _And(_Combined):
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
-        for m in self.mods[1:]:
-            out = out & _call_mod(m, b, h, q_idx, kv_idx)
-        return out
-
-
-class _Or(_Combined):
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        out = _call_mod(self.mods[0], b, h, q_idx, kv_idx)
-        for m in self.mods[1:]:
-            out = out | _call_mod(m, b, h, q_idx, kv_idx)
-        return out
-
-
-def _call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Call one combined mask_mod, checking its dtype but keeping its shape (so combinations
-    also work under FlexAttention's vmap, where the indices are scalars)."""
-    out = mod(b, h, q_idx, kv_idx)
-    if isinstance(out, bool):
-        return torch.tensor(out, device=q_idx.device)
-    if not isinstance(out, Tensor) or out.dtype != torch.bool:
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        check_mask_result(out, mod, shape)  # raises with the mask_mod's name
-    return out
+    return Or((KvBelow(n, f"kv_idx < {n}"), causal), f"qkv.prefix_lm({n})")
 
 
 def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:
@@ -374,7 +198,7 @@ def and_masks(*mods: MaskMod) -> MaskMod:
     """
     _check_mods("and_masks", mods)
     name = "qkv.and_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
-    return _And(mods, name)
+    return And(mods, name)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
@@ -385,4 +209,4 @@ def or_masks(*mods: MaskMod) -> MaskMod:
     """
     _check_mods("or_masks", mods)
     name = "qkv.or_masks(" + ", ".join(callable_name(m) for m in mods) + ")"
-    return _Or(mods, name)
+    return Or(mods, name)

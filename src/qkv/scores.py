@@ -12,51 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from ._core.builtin_mods import Alibi, RelativeBias, Softcap
+
 Tensor = torch.Tensor
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 __all__ = ["alibi", "alibi_slopes", "relative_bias", "softcap"]
-
-
-class _BuiltinScore:
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        raise NotImplementedError
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        """Raise ValueError if this score_mod cannot describe a ``[B, H, Lq, Lk]`` problem."""
-
-    def carried(self) -> list[tuple[str, object]]:
-        """The tensors this score holds, as ``(what, tensor)`` (``qkv.distributed`` compares
-        them across ranks)."""
-        return []
-
-    def _heads(self, what: str, n: int, H: int) -> None:
-        if n != H:
-            raise ValueError(
-                f"{self!r}: {what} has {n} entries but q has {H} heads; give one per query head"
-            )
-
-
-class _Alibi(_BuiltinScore):
-    def __init__(self, slopes: Tensor) -> None:
-        self.slopes = slopes
-
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        slopes = self.slopes.to(device=score.device)
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("slopes", self.slopes)]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        self._heads("slopes", self.slopes.shape[0], H)
-
-    def __repr__(self) -> str:
-        return f"qkv.alibi(<{self.slopes.shape[0]} slopes>)"
 
 
 def alibi(slopes: Tensor) -> ScoreMod:
@@ -77,7 +38,7 @@ def alibi(slopes: Tensor) -> ScoreMod:
             f"alibi slopes must be a 1-D float tensor [H], got shape {tuple(slopes.shape)} and "
             f"dtype {slopes.dtype}"
         )
-    return _Alibi(slopes)
+    return Alibi(slopes)
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -99,19 +60,6 @@ def alibi_slopes(n_heads: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-class _Softcap(_BuiltinScore):
-    def __init__(self, cap: float) -> None:
-        self.cap = cap
-
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        return self.cap * torch.tanh(score / self.cap)
-
-    def __repr__(self) -> str:
-        return f"qkv.softcap({self.cap})"
-
-
 def softcap(cap: float) -> ScoreMod:
     """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``.
 
@@ -122,29 +70,7 @@ def softcap(cap: float) -> ScoreMod:
         raise TypeError(f"softcap cap must be a number, got {type(cap).__name__}")
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"softcap cap must be a positive finite number, got {cap}")
-    return _Softcap(float(cap))
-
-
-class _RelativeBias(_BuiltinScore):
-    def __init__(self, table: Tensor, max_distance: int) -> None:
-        self.table, self.max_distance = table, max_distance
-
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        r = self.max_distance
-        rel = (q_idx - kv_idx).clamp(-r, r) + r  # index into the table's first axis
-        table = self.table.to(device=score.device)
-        return score + table[rel, h]
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("table", self.table)]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        self._heads("table's second axis", self.table.shape[1], H)
-
-    def __repr__(self) -> str:
-        return f"qkv.relative_bias(<table {list(self.table.shape)}>, {self.max_distance})"
+    return Softcap(float(cap))
 
 
 def relative_bias(table: Tensor, max_distance: int) -> ScoreMod:
@@ -168,4 +94,4 @@ def relative_bias(table: Tensor, max_distance: int) -> ScoreMod:
             f"relative_bias table has {table.shape[0]} rows but max_distance={max_distance} "
             f"needs 2*{max_distance}+1 = {2 * max_distance + 1}"
         )
-    return _RelativeBias(table, max_distance)
+    return RelativeBias(table, max_distance)

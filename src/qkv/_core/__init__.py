@@ -6,8 +6,11 @@
                    place that calls a mask_mod or score_mod, or slices a mask or bias);
 - ``dense.py``     a problem's mask and score as dense tensors (the reference, SDPA);
 - ``tiles.py``     tile classification (empty / full / partial) of a mask;
-- ``positions.py`` masks and scores at shifted positions (a KV cache's later queries).
-
-The kinds a mask or score is classified into are :mod:`qkv._kinds` (beside the built-in
-masks and scores they know).
+- ``positions.py`` masks and scores at shifted positions (a KV cache's later queries);
+- ``builtin_mods.py`` the built-in masks' and scores' classes (``qkv.masks`` and
+                   ``qkv.scores`` make them);
+- ``kinds.py``     ``MaskKind`` / ``ScoreKind``: every mask and score classified into one
+                   tagged kind, combinations of built-ins simplified;
+- ``kindspec.py``  kinds as a spec string plus tensors (for custom operators), and as the
+                   tokens of a call's signature.
 """

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._kinds import MaskKind, ScoreKind
 from .checks import check_mask_result, check_score_result
+from .kinds import MaskKind, ScoreKind
 
 Tensor = torch.Tensor
 

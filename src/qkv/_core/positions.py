@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from .._kinds import MaskKind, band, classify_score
 from ..typing import MaskLike, ScoreLike
 from .checks import callable_name
+from .kinds import MaskKind, band, classify_score
 from .problem import mask_kind
 
 Tensor = torch.Tensor

@@ -2,7 +2,7 @@
 :class:`Problem`.
 
 ``validate`` runs every check before any arithmetic and classifies the mask
-and the score once (:mod:`qkv._kinds`); planners, backends and inspection read the problem's
+and the score once (:mod:`qkv._core.kinds`); planners, backends and inspection read the problem's
 typed fields and never look at what the user passed again.
 """
 
@@ -14,7 +14,6 @@ import torch
 
 from .._flex.blockmask import from_flex_block_mask
 from .._flex.compat import adopt_mask, adopt_score_mod, is_flex_block_mask
-from .._kinds import MaskKind, ScoreKind, classify_mask, classify_score
 from ..blockmask import BlockMask
 from .checks import (
     check_bias_tensor,
@@ -24,6 +23,7 @@ from .checks import (
     check_scale,
 )
 from .evaluate import grid
+from .kinds import MaskKind, ScoreKind, classify_mask, classify_score
 
 Tensor = torch.Tensor
 
@@ -31,8 +31,8 @@ Tensor = torch.Tensor
 @dataclass(frozen=True, eq=False)
 class Problem:
     """One attention call, normalised to 4-D ``[B, H, L, D]`` views, its mask and score
-    classified (``mask.kind`` in :data:`qkv._kinds.MASK_KINDS`, ``score.kind`` in
-    :data:`qkv._kinds.SCORE_KINDS`)."""
+    classified (``mask.kind`` in :data:`qkv._core.kinds.MASK_KINDS`, ``score.kind`` in
+    :data:`qkv._core.kinds.SCORE_KINDS`)."""
 
     q: Tensor  # [B, Hq, Lq, D]
     k: Tensor  # [B, Hkv, Lk, D]

@@ -1,7 +1,7 @@
 """Tile states of a mask: which ``bq x bk`` blocks of the score matrix are empty (0), partial
 (1) or full (2).
 
-Built-in kinds (see :mod:`qkv._kinds`) have analytic rules that touch only block bounds, in
+Built-in kinds (see :mod:`qkv._core.kinds`) have analytic rules that touch only block bounds, in
 O(number of tiles) work; and/or trees combine their parts' states; bool tensors and
 mask_mods are evaluated tile by tile within ``EVAL_BUDGET`` positions.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._kinds import MaskKind
 from .evaluate import mask_at
+from .kinds import MaskKind
 
 Tensor = torch.Tensor
 

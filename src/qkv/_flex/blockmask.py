@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from .._core.evaluate import call_mask_mod
+from .._core.kinds import classify_mask
 from .._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL
-from .._kinds import classify_mask
 from ..blockmask import BlockMask
 from .compat import _FLEX, mask_mod_convention
 

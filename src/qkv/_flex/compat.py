@@ -325,7 +325,10 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    for attr in ("mods", "mod"):  # qkv.masks._Combined; qkv._core.positions.MaskAt, ScoreAt
+    for attr in (
+        "mods",
+        "mod",
+    ):  # qkv._core.builtin_mods.Combined; qkv._core.positions.MaskAt, ScoreAt
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:
             continue

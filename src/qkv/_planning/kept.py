@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._core.kindspec import Unwatched
 from .._core.problem import Problem
-from .._kindspec import Unwatched
 from ..backends import BACKENDS
 from ..backends.base import HUGE_LOGIT, Runner, logit_bound
 from .signature import SCALE, Signature

@@ -8,7 +8,7 @@ What a signature holds:
 
 - the shapes of ``q``, ``k``, ``v`` as the problem has them (``[B, H, L, D]``), their dtypes
   and devices, which of them (and a bias) need a gradient;
-- the mask and the score as *tokens* (``qkv._kindspec.mask_token``, ``score_token``): a
+- the mask and the score as *tokens* (``qkv._core.kindspec.mask_token``, ``score_token``): a
   built-in band mask (``qkv.causal``, ``qkv.sliding_window``; it holds no tensors) as
   itself; a document or padding mask and a bias tensor by their tensors' identities and
   version counters, held weakly (an in-place edit of the ids or lengths is a new signature;
@@ -40,8 +40,8 @@ from typing import NamedTuple
 import torch
 
 from .._core.checks import default_scale
+from .._core.kindspec import Unwatched, mask_token, problem_mask_token, score_token
 from .._core.problem import Problem
-from .._kindspec import Unwatched, mask_token, problem_mask_token, score_token
 
 Tensor = torch.Tensor
 

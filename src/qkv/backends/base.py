@@ -89,7 +89,7 @@ class Backend(ABC):
     def keep(self, route: Route) -> Route:
         """``route`` as a kept plan holds it for later calls of its signature: without what
         was planned from values a signature does not watch (the tiles of a user's mask_mod,
-        of a bool mask tensor; ``qkv._kindspec.unwatched``), which ``run`` then plans per call.
+        of a bool mask tensor; ``qkv._core.kindspec.unwatched``), which ``run`` then plans per call.
         The default keeps it as it is."""
         return route
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from .._core.kinds import MaskKind, ScoreKind
 from .._core.tiles import FULL
-from .._kinds import MaskKind, ScoreKind
 from ..functional import attention
 from .layout import Layout
 from .plan import Pair, Piece, Plan, Step

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._core.builtin_mods import BuiltinMask, BuiltinScore
 from .._core.checks import callable_name
 from .._core.evaluate import mask_at, score_at
 from .._core.problem import Problem
@@ -119,7 +120,7 @@ class _Found:
 def _builtin(obj: object) -> list[tuple[str, object]] | None:
     """What one of qkv's own masks or scores holds (its ``carried()``), or None for anything
     else."""
-    if type(obj).__module__ not in ("qkv.masks", "qkv.scores"):
+    if not isinstance(obj, (BuiltinMask, BuiltinScore)):
         return None
     carried = getattr(obj, "carried", None)
     return carried() if callable(carried) else None
@@ -177,9 +178,9 @@ def _walk(obj: Any, out: list[Tensor], f: _Found, seen: set[int], depth: int) ->
     seen.add(id(obj))
     if isinstance(obj, Tensor):
         out.append(obj)
-    elif isinstance(obj, BlockMask) or type(obj).__module__ == "qkv.masks":
+    elif isinstance(obj, (BlockMask, BuiltinMask)):
         _mask(obj, f, depth)
-    elif type(obj).__module__ == "qkv.scores":
+    elif isinstance(obj, BuiltinScore):
         _score(obj, f)
     elif isinstance(obj, torch.nn.Module):
         for t in (*obj.parameters(), *obj.buffers()):

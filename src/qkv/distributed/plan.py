@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._core.kinds import MaskKind
 from .._core.problem import mask_kind
 from .._core.tiles import EMPTY, FULL, PARTIAL, Grid
-from .._kinds import MaskKind
 from .layout import Layout
 from .positions import mask_for
 

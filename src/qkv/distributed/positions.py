@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .._core.kinds import MaskKind, ScoreKind
 from .._core.positions import MaskAt, ScoreAt, shift_band
-from .._kinds import MaskKind, ScoreKind
 from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

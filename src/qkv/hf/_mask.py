@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from .._core.kinds import MaskKind
 from .._core.problem import mask_kind
-from .._kinds import MaskKind
 from ..blockmask import block_mask
 from ._translate import Frame, translate
 

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from .. import masks
+from .._core.kinds import band, classify_mask
 from .._core.positions import MaskAt, shift_band
-from .._kinds import band, classify_mask
 
 Tensor = torch.Tensor
 

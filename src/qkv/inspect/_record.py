@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .. import _recording
+from .._core.kinds import classify_score
 from .._core.problem import Problem, mask_kind
-from .._kinds import classify_score
 from ._stats import Stats, stats_of_problem
 from ._weights import Index, check_index, row_weights
 

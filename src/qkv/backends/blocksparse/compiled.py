@@ -2,7 +2,7 @@
 
 Planning a block-sparse call reads tensor values (which tiles a document mask or padding
 lengths leave empty), which dynamo cannot trace without breaking the graph. While it traces,
-a call whose mask and score are built-ins (:mod:`qkv._kindspec`) goes through
+a call whose mask and score are built-ins (:mod:`qkv._core.kindspec`) goes through
 ``qkv::blocksparse`` and ``qkv::blocksparse_backward`` instead: operators that take the
 tensors and the kinds' specs, plan and run the engine inside (as eager does), and have fake
 implementations that give only the output shapes. Autograd is registered on the forward
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from ..._core.evaluate import mask_at, whole
+from ..._core.kinds import MaskKind, ScoreKind, classify_mask
+from ..._core.kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._core.problem import Problem
-from ..._kinds import MaskKind, ScoreKind, classify_mask
-from ..._kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._planning.signature import native_setting
 from ..base import unit_last_stride
 from .autograd import captured

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import torch
 
 from ..._core.evaluate import Axis, mask_at, score_at, size, take
+from ..._core.kinds import MaskKind
 from ..._core.problem import Problem
-from ..._kinds import MaskKind
 from ...blockmask import BlockMask
 
 Tensor = torch.Tensor

@@ -22,9 +22,9 @@ import functools
 
 import torch
 
+from ..._core.kindspec import unwatched
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
-from ..._kindspec import unwatched
 from ...blockmask import BlockMask, build
 from . import schedule
 from .job import Job, Segment, fused_ok

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ..._core.kinds import band
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
-from ..._kinds import band
 from ...blockmask import BlockMask, build
 from .job import BandGroup, KeyBandGroup, Piece, Schedule
 

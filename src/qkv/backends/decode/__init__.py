@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from ..._core.kinds import MaskKind
 from ..._core.problem import Problem
-from ..._kinds import MaskKind
 from ...native import NativeLibrary
 from ..base import Backend, Kernel, Route, Runner, Unavailable
 

@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
+from ..._core.kindspec import unwatched
 from ..._core.problem import Problem
-from ..._kindspec import unwatched
 from ..base import Backend, Route, imprecise_backward, no_keys_result, unit_last_stride
 from . import launch
 from .launch import Call, TritonAttention, score_param, tilings

@@ -101,7 +101,7 @@ class Call:
     lists: Any  # (bq, bk) -> TileLists at that tiling (built on first use, then cached)
     tiles: Tilings
     # weak reference to the problem whose mask values the lists were made from, when a
-    # signature does not watch them (qkv._kindspec.unwatched); None: they serve every call
+    # signature does not watch them (qkv._core.kindspec.unwatched); None: they serve every call
     planned: Any = None
 
 

@@ -1,7 +1,7 @@
 """What the Triton kernels read of a mask: the block lists of its tile plan, the built-in
 masks' parameters, and the bits of partial tiles for every other mask.
 
-:func:`mask_spec` classifies a :class:`qkv._kinds.MaskKind` once into the kernel's mask
+:func:`mask_spec` classifies a :class:`qkv._core.kinds.MaskKind` once into the kernel's mask
 formula (an and of a band, a prefix, a key range per batch element and document ids: every
 built-in mask and their and-combinations) or into ``bits`` (any or-combination, bool tensor or
 mask_mod: its partial tiles are evaluated here in PyTorch, packed 32 positions to an int32).
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..._core.evaluate import call_mask_mod
+from ..._core.kinds import MaskKind
 from ..._core.tiles import EMPTY, EVAL_BUDGET, PARTIAL
-from ..._kinds import MaskKind
 from ...blockmask import BlockMask, build
 
 Tensor = torch.Tensor

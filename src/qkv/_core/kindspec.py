@@ -26,10 +26,9 @@ import weakref
 
 import torch
 
-from ._flex.compat import ModCall
-from ._kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
-from .masks import _And, _Band, _Document, _KvBelow, _Or, causal
-from .scores import _Alibi, _RelativeBias, _Softcap
+from .._flex.compat import ModCall
+from .builtin_mods import CAUSAL, Alibi, And, Band, Document, KvBelow, Or, RelativeBias, Softcap
+from .kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
 
 Tensor = torch.Tensor
 
@@ -91,11 +90,11 @@ def score_spec(s: ScoreKind, tensors: list[Tensor]) -> str | None:
         return "none"
     if s.kind == "bias" and s.bias is not None:
         return f"bias({_slot(s.bias, tensors)})"
-    if s.kind == "alibi" and isinstance(src, _Alibi):
+    if s.kind == "alibi" and isinstance(src, Alibi):
         return f"alibi({_slot(src.slopes, tensors)})"
-    if s.kind == "softcap" and isinstance(src, _Softcap):
+    if s.kind == "softcap" and isinstance(src, Softcap):
         return f"softcap({src.cap!r})"
-    if s.kind == "relative" and isinstance(src, _RelativeBias):
+    if s.kind == "relative" and isinstance(src, RelativeBias):
         return f"relative({_slot(src.table, tensors)},{src.max_distance})"
     return None
 
@@ -131,26 +130,26 @@ def mask_from_spec(spec: str, tensors: list[Tensor]) -> MaskKind:
     if name == "none":
         return NO_MASK
     if name == "causal":
-        return classify_mask(causal)
+        return classify_mask(CAUSAL)
     if name == "band":
         lo, hi = (_value(a, tensors) for a in args.split(","))
         return band(lo, hi)  # type: ignore[arg-type]
     if name == "prefix":
         P = int(args)
-        mod = _Or((_KvBelow(P, f"kv_idx < {P}"), causal), f"qkv.prefix_lm({P})")
+        mod = Or((KvBelow(P, f"kv_idx < {P}"), CAUSAL), f"qkv.prefix_lm({P})")
         return MaskKind("prefix", mod, limit=P)
     if name == "doc":
-        return classify_mask(_Document(tensors[int(args[1:])]))
+        return classify_mask(Document(tensors[int(args[1:])]))
     if name == "pad":
         lim, start = (_value(a, tensors) for a in args.split(","))
-        obj = _KvBelow(lim, "padding", start)  # type: ignore[arg-type]
+        obj = KvBelow(lim, "padding", start)  # type: ignore[arg-type]
         return MaskKind("padding", obj, source=obj, limit=lim, start=start)  # type: ignore[arg-type]
     if name == "tensor":
         return classify_mask(tensors[int(args[1:])])
     if name in ("and", "or"):
         parts = tuple(mask_from_spec(a, tensors) for a in _split(args))
         mods = tuple(p.mask_mod for p in parts)
-        joined: _And | _Or = _And(mods, spec) if name == "and" else _Or(mods, spec)
+        joined: And | Or = And(mods, spec) if name == "and" else Or(mods, spec)
         return MaskKind(name, joined, source=joined, parts=parts)
     raise ValueError(f"not a mask spec: {spec!r}")
 
@@ -163,12 +162,12 @@ def score_from_spec(spec: str, tensors: list[Tensor]) -> ScoreKind:
     if name == "bias":
         return classify_score(tensors[int(args[1:])])
     if name == "alibi":
-        return classify_score(_Alibi(tensors[int(args[1:])]))
+        return classify_score(Alibi(tensors[int(args[1:])]))
     if name == "softcap":
-        return classify_score(_Softcap(float(args)))
+        return classify_score(Softcap(float(args)))
     if name == "relative":
         t, r = args.split(",")
-        return classify_score(_RelativeBias(tensors[int(t[1:])], int(r)))
+        return classify_score(RelativeBias(tensors[int(t[1:])], int(r)))
     raise ValueError(f"not a score spec: {spec!r}")
 
 
@@ -209,19 +208,19 @@ def mask_token(mask: object) -> object | None:
     if mask is None:
         return _NONE
     kind = type(mask)
-    if kind is _Band:
+    if kind is Band:
         return mask  # no tensors, nothing in it changes
-    if kind is _Document:  # (its decision reads its ids and nothing else of it)
+    if kind is Document:  # (its decision reads its ids and nothing else of it)
         ids = tensor_token(mask.ids)  # type: ignore[attr-defined]
         return None if ids is None else ("document", ids)
-    if kind is _KvBelow:  # (its limit and start: ints, None or per-batch tensors)
+    if kind is KvBelow:  # (its limit and start: ints, None or per-batch tensors)
         limit, start = mask.limit, mask.start  # type: ignore[attr-defined]
         if isinstance(limit, Tensor) and (limit := tensor_token(limit)) is None:
             return None
         if start is not None and (start := tensor_token(start)) is None:
             return None
         return ("padding", limit, start)
-    if kind is _And or kind is _Or:  # (prefix_lm is one): when every part has a token
+    if kind is And or kind is Or:  # (prefix_lm is one): when every part has a token
         parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
         if None in parts:
             return None

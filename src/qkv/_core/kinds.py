@@ -3,9 +3,9 @@
 :func:`classify_mask` turns whatever was passed as ``mask=`` into one :class:`MaskKind` and
 :func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. Every later layer
 (tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
-and fields; outside :mod:`qkv.masks` and :mod:`qkv.scores`, which define them, the built-in
-classes are known here and in :mod:`qkv._kindspec` (which rebuilds kinds from specs and
-makes the tokens of a call's signature).
+and fields. The built-in classes (:mod:`qkv._core.builtin_mods`) are known here and in
+:mod:`qkv._core.kindspec` (which rebuilds kinds from specs and makes the tokens of a call's
+signature).
 
 Combinations of built-ins are simplified to the kind they are, so that they reach the same
 kernels as the mask they equal::
@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from ._core.checks import callable_name
-from ._flex.compat import ModCall
-from .masks import _And, _Band, _Document, _KvBelow, _Or, causal
-from .scores import _Alibi, _RelativeBias, _Softcap
+from .._flex.compat import ModCall
+from .builtin_mods import CAUSAL, Alibi, And, Band, Document, KvBelow, Or, RelativeBias, Softcap
+from .checks import callable_name
 
 Tensor = torch.Tensor
 
@@ -219,15 +218,15 @@ def classify_mask(mask: object) -> MaskKind:
         return NO_MASK
     if isinstance(mask, Tensor):
         return MaskKind("tensor", _TensorMaskMod(mask), source=mask, tensor=mask)
-    if isinstance(mask, _Band):
+    if isinstance(mask, Band):
         return _band(mask.lo, mask.hi, mask)
-    if isinstance(mask, _KvBelow):
+    if isinstance(mask, KvBelow):
         return MaskKind("padding", mask, source=mask, limit=mask.limit, start=mask.start)
-    if isinstance(mask, _Document):
+    if isinstance(mask, Document):
         return MaskKind("document", mask, source=mask, ids=mask.ids)
-    if isinstance(mask, _And):
+    if isinstance(mask, And):
         return _simplify_and(tuple(classify_mask(m) for m in mask.mods), mask)
-    if isinstance(mask, _Or):
+    if isinstance(mask, Or):
         return _simplify_or(tuple(classify_mask(m) for m in mask.mods), mask)
     if callable(mask):
         return MaskKind("mod", mask, source=mask, evaluation=_evaluation(mask))
@@ -246,12 +245,12 @@ def _band(lo: int | None, hi: int | None, source: object, name: str | None = Non
     if lo is None and hi is None:
         return replace(NO_MASK, source=source)
     if lo is None and hi == 0:
-        mod: Any = source if isinstance(source, _Band) else causal
+        mod: Any = source if isinstance(source, Band) else CAUSAL
         return MaskKind("causal", mod, source=source, lo=None, hi=0)
-    if isinstance(source, _Band) and (source.lo, source.hi) == (lo, hi):
+    if isinstance(source, Band) and (source.lo, source.hi) == (lo, hi):
         mod = source
     else:
-        mod = _Band(lo, hi, name or _band_name(lo, hi))
+        mod = Band(lo, hi, name or _band_name(lo, hi))
     return MaskKind("band", mod, source=source, lo=lo, hi=hi)
 
 
@@ -301,7 +300,7 @@ def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
     ]
     if below and any(p.kind == "causal" for p in flat):  # kv_idx < P or causal: prefix-LM
         P = max(int(b.limit) for b in below)  # type: ignore[arg-type]
-        mod = _Or((_KvBelow(P, f"kv_idx < {P}"), causal), f"qkv.prefix_lm({P})")
+        mod = Or((KvBelow(P, f"kv_idx < {P}"), CAUSAL), f"qkv.prefix_lm({P})")
         prefix = MaskKind("prefix", mod, limit=P)
         flat = [prefix, *(p for p in flat if p.kind != "causal" and p not in below)]
     return _combined("or", flat, parts, source)
@@ -319,7 +318,7 @@ def _combined(
         return MaskKind(kind, source, source=source, parts=tuple(flat))  # type: ignore[arg-type]
     mods = tuple(p.mask_mod for p in flat)
     joined = ", ".join(describe(m) for m in mods)
-    mod = (_And if kind == "and" else _Or)(mods, f"qkv.{kind}_masks({joined})")
+    mod = (And if kind == "and" else Or)(mods, f"qkv.{kind}_masks({joined})")
     return MaskKind(kind, mod, source=source, parts=tuple(flat), simplified=True)
 
 
@@ -333,7 +332,7 @@ def classify_score(score_mod: object) -> ScoreKind:
         return NO_SCORE
     if isinstance(score_mod, Tensor):
         return ScoreKind("bias", bias=score_mod, source=score_mod)
-    for cls, kind in ((_Alibi, "alibi"), (_Softcap, "softcap"), (_RelativeBias, "relative")):
+    for cls, kind in ((Alibi, "alibi"), (Softcap, "softcap"), (RelativeBias, "relative")):
         if isinstance(score_mod, cls):
             return ScoreKind(kind, score_mod=score_mod, source=score_mod)
     if callable(score_mod):
