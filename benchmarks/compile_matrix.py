@@ -10,6 +10,10 @@ without code generation) and reports:
 - ``breaks``: graph breaks under the default compile (``torch._dynamo.explain``);
 - ``compile s``: the wall time of the first fullgraph (or default) call.
 
+``--dense-limit BYTES`` runs the matrix under ``qkv.set_dense_limit(BYTES)``: with a small
+limit the calls the engine's operator cannot take (a user's score_mod) trace as the plain
+formula in chunks of query rows.
+
 With ``--inductor-window N`` it also compiles a sliding window's forward + backward at length
 N with inductor (fullgraph=True) and reports the first compile's
 time and the compiled / eager time ratio (medians of ``--rounds`` interleaved rounds).
@@ -17,7 +21,7 @@ time and the compiled / eager time ratio (medians of ``--rounds`` interleaved ro
 Not a test (it measures where qkv stands; the compile tests assert what must hold). Run::
 
     .venv/bin/python benchmarks/compile_matrix.py [--lengths 200 1100] [--only window]
-        [--inductor-window 2048] [--rounds 9]
+        [--dense-limit 4194304] [--inductor-window 2048] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -159,12 +163,17 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="case names to run")
     ap.add_argument("--inductor-window", type=int, default=0, help="also time inductor at N")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of that timing")
+    ap.add_argument("--dense-limit", type=int, default=0, help="qkv.set_dense_limit(BYTES)")
     args = ap.parse_args()
+    if args.dense_limit:
+        qkv.set_dense_limit(args.dense_limit)
     warnings.filterwarnings("ignore")  # dynamo's advice per graph break: the table says it
     torch._logging.set_logs(dynamo=logging.ERROR)
     torch.manual_seed(0)
     print(describe())
     print(f"torch {torch.__version__}; B={B} H={H} Hkv={HKV} D={D}; backend aot_eager, fwd+bwd")
+    if args.dense_limit:
+        print(f"dense limit {args.dense_limit} bytes")
     for L in args.lengths:
         gen = torch.Generator().manual_seed(L)
         q = torch.randn(B, H, L, D, generator=gen)
