@@ -76,14 +76,22 @@ def test_many_tiles_and_separate_backward_lists(small_tiles: None, mask: str) ->
     assert_matches_oracle(compare_to_oracle(triton, q, k, v, mask=m))
 
 
-def test_score_mods_with_many_tiles(small_tiles: None) -> None:
-    for name in ("alibi", "relative", "softcap", "bias"):
-        q, k, v = make_qkv(MANY, gen=5, device=DEVICE)
-        sm, params = make_score(name, MANY, 6, device=DEVICE)
-        m = make_mask("window2", MANY, 7, device=DEVICE)
-        assert_matches_oracle(
-            compare_to_oracle(triton, q, k, v, mask=m, score_mod=sm, extra_params=params)
-        )
+# In the default run: the relative table (a gather per head and a gradient into the table);
+# every score kind also runs on small shapes in test_backends.py's oracle matrix.
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n == "relative" else pytest.param(n, marks=pytest.mark.extended)
+        for n in ("alibi", "relative", "softcap", "bias")
+    ],
+)
+def test_score_mods_with_many_tiles(small_tiles: None, name: str) -> None:
+    q, k, v = make_qkv(MANY, gen=5, device=DEVICE)
+    sm, params = make_score(name, MANY, 6, device=DEVICE)
+    m = make_mask("window2", MANY, 7, device=DEVICE)
+    assert_matches_oracle(
+        compare_to_oracle(triton, q, k, v, mask=m, score_mod=sm, extra_params=params)
+    )
 
 
 def test_block_mask_reused_and_cut_finer(small_tiles: None) -> None:
