@@ -326,6 +326,63 @@ def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():
     assert not [n for n in notes if "under torch.compile" in n], notes
 
 
+def test_mods_written_for_vmap_compile_whole():
+    """A user's mods that work only one element at a time (FlexAttention's convention): under
+    broadcasting the score_mod raises (its shapes do not broadcast), which no ``except`` in
+    traced code can catch, so functions that exist outside the trace are decided there, on
+    real tensors, by a function dynamo calls eagerly (assume_constant_result). Fullgraph
+    equals eager, gradients into the score_mod's table included: within the dense formula,
+    past the dense limit (in chunks), and with a mask_mod evaluated for the engine's
+    operator."""
+    gen = torch.Generator().manual_seed(12)
+    table = (0.1 * torch.randn(BIG.Lq, BIG.Lk, generator=gen)).requires_grad_()
+    allowed = torch.rand(BIG.Lq, BIG.Lk, generator=gen) > 0.3
+
+    def per_element_score(s, b, h, qi, ki):
+        return s + table[qi][ki]  # indexing twice: one element at a time only
+
+    def per_element_mask(b, h, qi, ki):
+        return allowed[qi][ki]
+
+    def run(fn, q, k, v, **kw):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, **kw)
+        params = [table] if "score_mod" in kw else []
+        return [out, *torch.autograd.grad(out.sum(), [*leaves, *params])]
+
+    small = SHAPE.replace(Lq=40, Lk=40)
+    for shape, limit, kw in (
+        (small, None, {"score_mod": per_element_score, "mask": per_element_mask}),
+        (BIG, 1 << 23, {"score_mod": per_element_score, "mask": qkv.causal}),
+        (BIG, None, {"mask": per_element_mask}),
+    ):
+        q, k, v = make_qkv(shape, gen=13)
+        old = qkv.set_dense_limit(limit) if limit else None
+        try:
+            want = run(qkv.attention, q, k, v, **kw)
+            torch._dynamo.reset()
+            f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+            got = run(f, q, k, v, **kw)
+        finally:
+            if old is not None:
+                qkv.set_dense_limit(old)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_assume_constant_result_still_only_marks_the_function():
+    """qkv marks its convention function as torch.compiler.assume_constant_result would,
+    without importing dynamo at ``import qkv``; this fails if the decorator changes."""
+    from qkv._flex import compat
+
+    def f():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(f)
+    assert marked is f and vars(f) == {"_dynamo_marked_constant": True}
+    assert compat._convention_outside._dynamo_marked_constant is True
+
+
 @pytest.mark.parametrize("make_cache", [lambda: qkv.KVCache(48), lambda: qkv.SlidingWindowCache(8)])
 def test_decoding_with_a_cache_compiles_fullgraph(make_cache):
     """A prefill and 32 single-token steps: the compiled module equals eager, and the steps

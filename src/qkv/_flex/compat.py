@@ -245,13 +245,15 @@ def mask_mod_convention(
     if known is not None:
         return known
     if torch.compiler.is_compiling():
-        # A mod met first while dynamo traces (a closure made inside the compiled function):
-        # comparing values there would be data-dependent, so the trace decides by what
-        # broadcasting returns (an error or a wrong shape: vmap), and remembers nothing.
-        try:
-            _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device), alone=False)
-        except _SameError:
-            return fn
+        why = traced_convention("mask_mod", fn, device.type)
+        if why == _IN_TRACE:
+            # A closure made inside the compiled function: comparing values there would be
+            # data-dependent, so the trace decides by what broadcasting returns (an error or
+            # a wrong shape: vmap), and remembers nothing.
+            try:
+                _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device), alone=False)
+            except _SameError:
+                return fn
         return fn if why is None else ModCall("mask_mod", fn, why, decided=True)
     try:
         _, why = _decide("mask_mod", fn, _probe(B, H, Lq, Lk, device))
@@ -259,6 +261,46 @@ def mask_mod_convention(
         return fn
     _remember("mask_mod", fn, device.type, why)
     return fn if why is None else ModCall("mask_mod", fn, why, decided=True)
+
+
+# What traced_convention answers when the trace itself must decide.
+_IN_TRACE = "decided in the trace"
+
+
+def traced_convention(kind: str, fn: Any, device_type: str) -> str | None:
+    """While dynamo traces: a user mod's convention (``None``: broadcasting works, else why it
+    needs vmap) decided on real tensors outside the trace, or :data:`_IN_TRACE`.
+
+    Inside the trace a mod that only works under vmap fails when it is tried under
+    broadcasting: its error is raised by dynamo's shape propagation, which no ``except`` in
+    traced code catches. So a function that exists outside the trace (defined at module level,
+    or passed in) is decided by :func:`_convention_outside`, which dynamo calls eagerly and
+    whose answer it takes as a constant. A closure made inside the compiled function has no
+    object outside the trace (dynamo could not pass it out): the trace decides it."""
+    try:
+        fn.__closure__  # noqa: B018 (a closure made in the trace has none to read)
+    except AttributeError:
+        return _IN_TRACE
+    return _convention_outside(kind, fn, device_type)
+
+
+def _convention_outside(kind: str, fn: Any, device_type: str) -> str | None:
+    """:func:`_decide` on real probe tensors (positions 0 and 1 of the query and key axes, on
+    ``device_type``); :data:`_IN_TRACE` when the mod fails both ways there (its error is then
+    raised where the trace calls it)."""
+    device = torch.device(device_type)
+    probe = _probe(1, 1, 2, 2, device)
+    args = probe if kind == "mask_mod" else (torch.zeros(1, 1, 2, 2, device=device), *probe)
+    try:
+        return _decide(kind, fn, args, alone=kind == "score_mod")[1]
+    except Exception:
+        return _IN_TRACE
+
+
+# torch.compiler.assume_constant_result(_convention_outside), which sets only this attribute
+# (tests/test_compile.py checks that it still does): calling the decorator would import dynamo
+# with qkv, which must not happen before Triton's kernels are defined.
+_convention_outside._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # A user mod's convention per (kind, device type), decided once: None (broadcasting works) or
@@ -312,6 +354,10 @@ def adopt_score_mod(score_mod: Any, device: torch.device) -> Any:
     qkv's own unchanged."""
 
     def wrap(fn: Any) -> Any:
+        if torch.compiler.is_compiling():
+            why = traced_convention("score_mod", fn, device.type)
+            if why != _IN_TRACE:
+                return fn if why is None else ModCall("score_mod", fn, why, decided=True)
         known = _known("score_mod", fn, device.type)
         return known if known is not None else ModCall("score_mod", fn, None, decided=False)
 
@@ -325,10 +371,8 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    for attr in (
-        "mods",
-        "mod",
-    ):  # qkv._core.builtin_mods.Combined; qkv._core.positions.MaskAt, ScoreAt
+    # the parts of qkv._core.builtin_mods.Combined, qkv._core.positions.MaskAt and ScoreAt
+    for attr in ("mods", "mod"):
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:
             continue

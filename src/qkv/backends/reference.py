@@ -7,7 +7,6 @@ import math
 import torch
 
 from .. import reference
-from .._core.evaluate import mask_at, score_at
 from .._core.problem import Problem
 from .base import DENSE_LIMIT, SMALL_DENSE, Backend, Route, score_bytes
 
@@ -103,16 +102,9 @@ def _chunk_rows(p: Problem, full: int) -> int | None:
 
 
 def _in_chunks(p: Problem, rows: int) -> tuple[Tensor, Tensor | None]:
-    """The plain formula over query rows ``rows`` at a time, each chunk checkpointed (its
-    backward recomputes its scores): ``out [B, Hq, Lq, Dv]`` and ``lse``."""
+    """The plain formula over query rows ``rows`` at a time, each chunk after the first
+    checkpointed (its backward recomputes its scores): ``out [B, Hq, Lq, Dv]`` and ``lse``."""
     import torch.utils.checkpoint  # (imports dynamo: only ever called while dynamo traces)
-
-    # A user mod decides how to call it on its first call, and a checkpointed region may not
-    # change a Python object: the first call is made here, on one score.
-    one = (0, 1)
-    if p.score.kind != "none":
-        score_at(p.score, p.q.new_zeros(1, 1, 1, 1, dtype=p.compute_dtype), one, one, one, one)
-    mask_at(p.mask, one, one, one, one, p.device)
 
     def chunk(r0: int, r1: int) -> tuple[Tensor, Tensor]:
         out, lse, _ = reference.forward(p, dropout_p=p.dropout_p, rows=(r0, r1))
@@ -120,9 +112,14 @@ def _in_chunks(p: Problem, rows: int) -> tuple[Tensor, Tensor | None]:
 
     outs, lses = [], []
     for r0 in range(0, p.Lq, rows):
-        out, lse = torch.utils.checkpoint.checkpoint(
-            chunk, r0, min(p.Lq, r0 + rows), use_reentrant=False
-        )
+        r1 = min(p.Lq, r0 + rows)
+        if r0 == 0:
+            # The first chunk is kept for the backward, not recomputed: a user mod made in the
+            # compiled function decides how to call it on its first call, which changes a
+            # Python object, and a checkpointed region may not.
+            out, lse = chunk(r0, r1)
+        else:
+            out, lse = torch.utils.checkpoint.checkpoint(chunk, r0, r1, use_reentrant=False)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=2), (torch.cat(lses, dim=2) if p.return_lse else None)
