@@ -53,6 +53,7 @@ def _cases(L: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
     ids = torch.arange(L) * 3 // L
     bias = torch.randn(1, H, L, L, generator=gen)
     table = torch.randn(2 * 16 + 1, H, generator=gen, requires_grad=True)
+    tab = 0.1 * torch.randn(L, L, generator=gen)
     return {
         "none": {},
         "causal": {"mask": qkv.causal},
@@ -70,6 +71,8 @@ def _cases(L: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
         "softcap": {"score_mod": qkv.softcap(20.0)},
         "relative": {"score_mod": qkv.relative_bias(table, 16)},
         "score_mod": {"score_mod": lambda s, b, h, qi, ki: s * 0.5},
+        # FlexAttention's one-element convention: runs through torch.vmap
+        "vmap_mod": {"score_mod": lambda s, b, h, qi, ki: s + tab[qi][ki]},
         "lse": {"mask": qkv.causal, "return_lse": True},
     }
 
