@@ -90,7 +90,9 @@ def test_fullgraph_traces_and_equals_eager(name: str):
 def test_mods_made_inside_the_compiled_function_trace():
     """Closures made inside the compiled function are new at every call, so their calling
     convention is decided while dynamo traces (no value comparisons there): a broadcasting
-    mask_mod, a score_mod with a learnable tensor, and a mask_mod written for vmap. Against
+    mask_mod, a score_mod with a learnable tensor, and a mask_mod written for vmap, within
+    the dense limit and past it (in chunks, the first not checkpointed: a mod decides how to
+    call it on its first call, which a checkpointed region may not). Against
     eager float64 (as the oracle tests measure): the output within 2x and the gradients
     within 3x the error of the plain formula in float32 (the gradient of the score_mod's
     tensor sums 12800 terms, in another order once compiled)."""
@@ -119,10 +121,16 @@ def test_mods_made_inside_the_compiled_function_trace():
         out = fn(*leaves, torch.tensor(7), vmap_only, **kw)
         return [out, *torch.autograd.grad(out.sum(), leaves)]
 
-    for vmap_only in (False, True):
+    # and past a dense limit of 64 KiB: the plain formula in chunks of query rows (13 rows)
+    for vmap_only, limit in ((False, None), (True, None), (False, 1 << 16), (True, 1 << 16)):
         torch._dynamo.reset()
         g = torch.compile(f, fullgraph=True, backend="aot_eager")
-        got = run(g, torch.float32, vmap_only)  # first: nothing decided eagerly before the trace
+        old = qkv.set_dense_limit(limit) if limit else None
+        try:
+            got = run(g, torch.float32, vmap_only)  # first: nothing decided before the trace
+        finally:
+            if old is not None:
+                qkv.set_dense_limit(old)
         base, exact = (
             run(f, torch.float32, vmap_only, attend=plain),
             run(f, torch.float64, vmap_only),
@@ -291,7 +299,7 @@ def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():
     torch._dynamo.reset()
     same(run(torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")), want)
 
-    # 8 MiB: all the scores at once need ~18 MiB, one row ~35 KiB: 3 chunks of 237 rows
+    # 8 MiB: all the scores at once need ~15.5 MiB, one row ~26 KiB: chunks of 2, 308, 290 rows
     old = qkv.set_dense_limit(1 << 23)
     try:
         plan = qkv.plan(q, k, v, mask=qkv.causal, score_mod=tilt)

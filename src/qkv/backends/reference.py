@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -64,13 +65,13 @@ class ReferenceBackend(Backend):
                 extra_memory=full,
                 notes=("the reference materialises all Lq x Lk scores: O(n^2) memory",),
             )
-        chunks = math.ceil(p.Lq / rows)
+        chunks = len(_bounds(p.Lq, rows)) - 1
         return Route(
             forward=f"the plain formula in {chunks} chunks of up to {rows} query rows, one "
             "chunk's scores at a time",
             backward="autograd through the plain formula, each chunk's scores recomputed "
             "(torch.utils.checkpoint)",
-            extra_memory=math.ceil(full / p.Lq) * rows,
+            extra_memory=math.ceil(full / p.Lq) * (rows + 2),
             notes=(
                 "under torch.compile its Lq x Lk scores would pass the dense limit: the rows "
                 "are cut into chunks that fit it, each traced into the graph",
@@ -95,15 +96,23 @@ def _chunk_rows(p: Problem, full: int) -> int | None:
     limit = DENSE_LIMIT["bytes"]
     if full <= limit or p.Lq == 0:
         return None
-    rows = limit // math.ceil(full / p.Lq)
-    if rows == 0 or math.ceil(p.Lq / rows) > MAX_CHUNKS:
+    per_row = math.ceil(full / p.Lq)
+    rows = limit // per_row - 2  # (the first two rows stay held for the backward)
+    if rows <= 0 or len(_bounds(p.Lq, rows)) - 1 > MAX_CHUNKS:
         return None  # (over the limit whole: the planner refuses it with the figure)
     return rows
 
 
+def _bounds(Lq: int, rows: int) -> list[int]:
+    """Where the chunks of :func:`_in_chunks` start, and ``Lq``: two rows, then ``rows`` at a
+    time."""
+    return [0, *range(min(2, Lq), Lq, rows), Lq]
+
+
 def _in_chunks(p: Problem, rows: int) -> tuple[Tensor, Tensor | None]:
-    """The plain formula over query rows ``rows`` at a time, each chunk after the first
-    checkpointed (its backward recomputes its scores): ``out [B, Hq, Lq, Dv]`` and ``lse``."""
+    """The plain formula over query rows ``rows`` at a time (after the first two), each chunk
+    but the first checkpointed (its backward recomputes its scores): ``out [B, Hq, Lq, Dv]``
+    and ``lse``."""
     import torch.utils.checkpoint  # (imports dynamo: only ever called while dynamo traces)
 
     def chunk(r0: int, r1: int) -> tuple[Tensor, Tensor]:
@@ -111,12 +120,13 @@ def _in_chunks(p: Problem, rows: int) -> tuple[Tensor, Tensor | None]:
         return out, lse
 
     outs, lses = [], []
-    for r0 in range(0, p.Lq, rows):
-        r1 = min(p.Lq, r0 + rows)
-        if r0 == 0:
-            # The first chunk is kept for the backward, not recomputed: a user mod made in the
-            # compiled function decides how to call it on its first call, which changes a
-            # Python object, and a checkpointed region may not.
+    bounds = _bounds(p.Lq, rows)
+    for i, (r0, r1) in enumerate(itertools.pairwise(bounds)):
+        if i == 0:
+            # Two rows first, kept for the backward rather than recomputed: a user mod made in
+            # the compiled function decides how to call it on its first call, which changes a
+            # Python object, and a checkpointed region may not. (Two: under vmap an axis of
+            # one entry is a 0-d index, which dynamo cannot read without its value.)
             out, lse = chunk(r0, r1)
         else:
             out, lse = torch.utils.checkpoint.checkpoint(chunk, r0, r1, use_reentrant=False)
