@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .._core.checks import broadcastable, callable_name, check_mask_result, check_score_result
+from .._core.tracing import assume_constant_result
 
 Tensor = torch.Tensor
 
@@ -284,6 +285,7 @@ def traced_convention(kind: str, fn: Any, device_type: str) -> str | None:
     return _convention_outside(kind, fn, device_type)
 
 
+@assume_constant_result
 def _convention_outside(kind: str, fn: Any, device_type: str) -> str | None:
     """:func:`_decide` on real probe tensors (positions 0 and 1 of the query and key axes, on
     ``device_type``); :data:`_IN_TRACE` when the mod fails both ways there (its error is then
@@ -295,12 +297,6 @@ def _convention_outside(kind: str, fn: Any, device_type: str) -> str | None:
         return _decide(kind, fn, args, alone=kind == "score_mod")[1]
     except Exception:
         return _IN_TRACE
-
-
-# torch.compiler.assume_constant_result(_convention_outside), which sets only this attribute
-# (tests/test_compile.py checks that it still does): calling the decorator would import dynamo
-# with qkv, which must not happen before Triton's kernels are defined.
-_convention_outside._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # A user mod's convention per (kind, device type), decided once: None (broadcasting works) or

@@ -23,8 +23,10 @@ from ..._core.evaluate import mask_at, whole
 from ..._core.kinds import MaskKind, ScoreKind, classify_mask
 from ..._core.kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._core.problem import Problem
+from ..._core.tracing import assume_constant_result
 from ..._planning.signature import native_setting
 from ..base import unit_last_stride
+from . import native
 from .autograd import captured
 from .backward import backward
 from .forward import forward
@@ -58,12 +60,15 @@ def why_not(p: Problem) -> str | None:
     return None
 
 
-def attention(p: Problem) -> tuple[Tensor, Tensor]:
-    """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (compute dtype) of ``p`` through the
-    operators (:func:`why_not` said it can)."""
+def attention(p: Problem) -> tuple[Tensor, Tensor | None]:
+    """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (compute dtype; ``None`` when ``p``
+    does not return it and the band kernel ran) of ``p`` through the operators
+    (:func:`why_not` said it can)."""
     mt: list[Tensor] = []
     st: list[Tensor] = []
     ms, ss = mask_spec(p.mask, mt), score_spec(p.score, st)
+    if ms is not None and ss == "none" and not p.return_lse and _band_kernel(p):
+        return _Band.apply(p.q, p.k, p.v, p.mask.lo, p.mask.hi, p.scale, ms), None
     if ms is None:  # a user's mask_mod: evaluated here, in the graph, into a bool tensor
         mt = []
         dense = mask_at(p.mask, *whole(p.shape), p.device)
@@ -72,6 +77,52 @@ def attention(p: Problem) -> tuple[Tensor, Tensor]:
     assert ms is not None and ss is not None
     out, lse = torch.ops.qkv.blocksparse(p.q, p.k, p.v, ms, mt, ss, st, p.scale, p.return_lse)
     return out, lse.to(p.compute_dtype)
+
+
+def _band_kernel(p: Problem) -> bool:
+    """Whether the engine would run ``p`` (a window, no score) on qkv's compiled band kernel:
+    then the graph calls the kernel's own operator directly (:class:`_Band`), without the
+    Python of ``qkv::blocksparse``, which costs ~0.1-0.2 ms a call beside a kernel of
+    milliseconds."""
+    if p.mask.kind != "band" or p.device.type != "cpu" or not _band_kernel_loaded():
+        return False
+    return make_job(p, dry_run=True).route == "native_band"
+
+
+@assume_constant_result
+def _band_kernel_loaded() -> bool:
+    """Whether qkv's band kernel can be had, loading it (building it on first use) if need
+    be. Run eagerly while dynamo traces, which cannot load a library; its answer is taken as
+    a constant, not guarded (a graph traced before the kernel loaded keeps the operator)."""
+    return native.band_forward_op() is not None
+
+
+class _Band(torch.autograd.Function):
+    """A window through qkv's compiled band kernel, traced into the graph: the forward is the
+    kernel's C++ operator (``qkv_native::band_forward``); the backward is
+    ``qkv::blocksparse_backward`` (the engine's, which also redoes rows whose logits the
+    fused recomputation would lose, as eager does)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float, ms: str
+    ) -> Tensor:
+        out, lse = native.band_forward(q, k, v, lo, hi, scale)
+        lse = lse.double()  # (what the engine's backward takes)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (scale, ms)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, ms = ctx.meta
+        need = list(ctx.needs_input_grad[:3])
+        grads = torch.ops.qkv.blocksparse_backward(
+            q, k, v, out, lse, dout, None, ms, [], "none", [], scale, need
+        )
+        dq, dk, dv = (g if n else None for g, n in zip(grads, need, strict=True))
+        return dq, dk, dv, None, None, None, None
 
 
 def _problem(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..._core.tracing import assume_constant_result
 from ...native import NativeLibrary
 
 Tensor = torch.Tensor
@@ -69,7 +70,14 @@ MAX_CHUNK = 32
 def _chunk(blocks: int, per_thread: int) -> int:
     """Query blocks per task: enough tasks for every thread (``per_thread`` each), then as
     many blocks per task as allowed (the fewer tasks, the fewer Kᵀ panels)."""
-    return max(1, min(MAX_CHUNK, blocks // (per_thread * torch.get_num_threads())))
+    return max(1, min(MAX_CHUNK, blocks // (per_thread * _threads())))
+
+
+@assume_constant_result
+def _threads() -> int:
+    """torch's thread count; while dynamo traces (which cannot call it), read when the graph
+    is traced (it sets how the kernel splits its work, not what it computes)."""
+    return torch.get_num_threads()
 
 
 def band_forward(
