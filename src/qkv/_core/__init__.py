@@ -12,5 +12,6 @@
 - ``kinds.py``     ``MaskKind`` / ``ScoreKind``: every mask and score classified into one
                    tagged kind, combinations of built-ins simplified;
 - ``kindspec.py``  kinds as a spec string plus tensors (for custom operators), and as the
-                   tokens of a call's signature.
+                   tokens of a call's signature;
+- ``tracing.py``   what qkv tells dynamo without importing it (``assume_constant_result``).
 """
