@@ -513,11 +513,13 @@ def test_a_window_compiled_first_traces_the_band_kernel_once(monkeypatch):
     assert counter.frame_count == 1 and "qkv_native.band_forward" in ops, sorted(ops)
 
 
-def test_the_operators_plan_a_window_once_per_shape(monkeypatch):
+@pytest.mark.parametrize(("name", "plans"), [("prefix_lm", 2), ("window", 0)])
+def test_the_operators_plan_a_mask_without_tensors_once_per_shape(monkeypatch, name, plans):
     """Inside the compiled graph, the engine's operators keep the job of a mask without
-    tensors (a window) per shape: new q, k, v plan nothing again, and the results stay equal
-    to eager's. (With the band kernel loaded, the forward is the kernel's own operator, and
-    the backward operator plans the one job; a trace's look at the route is not counted.)"""
+    tensors (a prefix-LM) per shape: new q, k, v plan nothing again (one job for the forward
+    operator, one for the backward's), and the results stay equal to eager's. A window on
+    the band kernel plans nothing at all when the graph runs: the graph calls the kernel's
+    own operators. (A trace's look at the route is not counted.)"""
     from qkv.backends.blocksparse import compiled
 
     planned = []
@@ -530,7 +532,7 @@ def test_the_operators_plan_a_window_once_per_shape(monkeypatch):
 
     monkeypatch.setattr(compiled, "make_job", counted)
     monkeypatch.setattr(compiled, "_JOBS", {})
-    mask = qkv.sliding_window(40)
+    mask = {"prefix_lm": qkv.prefix_lm(40), "window": qkv.sliding_window(40)}[name]
     fn = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
     for gen in (20, 21, 22):
         q, k, v = (t.requires_grad_() for t in make_qkv(BIG, gen=gen))
@@ -539,7 +541,31 @@ def test_the_operators_plan_a_window_once_per_shape(monkeypatch):
         want = torch.autograd.grad(qkv.attention(q, k, v, mask=mask).sum(), (q, k, v))
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert len(planned) == 1  # the backward operator's job
+    assert len(planned) == plans
+
+
+def test_a_window_with_huge_logits_compiles_to_the_engine_backward():
+    """The band kernel's backward recomputes the scores in another order than its forward,
+    which loses digits at logits past ~128; eager redoes such rows with explicit matmuls, and
+    so does the compiled graph (a torch.cond on the lse to the engine's backward operator):
+    gradients equal eager's exactly, with ordinary and with huge logits."""
+    mask = qkv.sliding_window(30)
+    for mult in (1.0, 300.0):
+        q, k, v = make_qkv(BIG, gen=25)
+        q = q * mult
+
+        def run(fn, q=q, k=k, v=v):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, mask=mask)
+            weights = torch.linspace(-1, 1, out.shape[-1])
+            return [out, *torch.autograd.grad((out * weights).sum(), leaves)]
+
+        want = run(qkv.attention)
+        torch._dynamo.reset()
+        got = run(torch.compile(qkv.attention, fullgraph=True, backend="aot_eager"))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        for a, b in zip(got[1:], want[1:], strict=True):
+            assert torch.equal(a, b), (mult, float((a - b).abs().max()))
 
 
 def test_a_padding_mask_under_the_default_compile_breaks_no_graph():

@@ -25,12 +25,12 @@ from ..._core.kindspec import mask_from_spec, mask_spec, score_from_spec, score_
 from ..._core.problem import Problem
 from ..._core.tracing import assume_constant_result
 from ..._planning.signature import native_setting
-from ..base import unit_last_stride
+from ..base import HUGE_LOGIT, unit_last_stride
 from . import native
 from .autograd import captured
 from .backward import backward
 from .forward import forward
-from .grads import huge_lse
+from .grads import huge_lse, lse_hi_lo
 from .job import Job
 from .plan import make_job
 
@@ -81,9 +81,9 @@ def attention(p: Problem) -> tuple[Tensor, Tensor | None]:
 
 def _band_kernel(p: Problem) -> bool:
     """Whether the engine would run ``p`` (a window, no score) on qkv's compiled band kernel:
-    then the graph calls the kernel's own operator directly (:class:`_Band`), without the
-    Python of ``qkv::blocksparse``, which costs ~0.1-0.2 ms a call beside a kernel of
-    milliseconds."""
+    then the graph calls the kernel's own operators directly (:class:`_Band`), without the
+    Python of the ``qkv::blocksparse`` operators, which cost ~0.2-0.4 ms a call beside a
+    kernel of ~10 ms (benchmarks/RESULTS.md)."""
     if p.mask.kind != "band" or p.device.type != "cpu" or not _band_kernel_loaded():
         return False
     return make_job(p, dry_run=True).route == "native_band"
@@ -98,10 +98,11 @@ def _band_kernel_loaded() -> bool:
 
 
 class _Band(torch.autograd.Function):
-    """A window through qkv's compiled band kernel, traced into the graph: the forward is the
-    kernel's C++ operator (``qkv_native::band_forward``); the backward is
-    ``qkv::blocksparse_backward`` (the engine's, which also redoes rows whose logits the
-    fused recomputation would lose, as eager does)."""
+    """A window through qkv's compiled band kernel, traced into the graph: the kernel's own C++
+    operators (``qkv_native::band_forward`` / ``band_backward``). Where a row's lse passes
+    :data:`HUGE_LOGIT` the kernel's backward, which recomputes the scores in another order,
+    would lose digits: there a ``torch.cond`` takes ``qkv::blocksparse_backward`` instead,
+    which redoes the call with explicit matmuls, as eager does."""
 
     @staticmethod
     def forward(
@@ -110,19 +111,34 @@ class _Band(torch.autograd.Function):
         out, lse = native.band_forward(q, k, v, lo, hi, scale)
         lse = lse.double()  # (what the engine's backward takes)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (scale, ms)
+        ctx.meta = (lo, hi, scale, ms)
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        scale, ms = ctx.meta
-        need = list(ctx.needs_input_grad[:3])
-        grads = torch.ops.qkv.blocksparse_backward(
-            q, k, v, out, lse, dout, None, ms, [], "none", [], scale, need
-        )
-        dq, dk, dv = (g if n else None for g, n in zip(grads, need, strict=True))
-        return dq, dk, dv, None, None, None, None
+        lo, hi, scale, ms = ctx.meta
+
+        def engine(
+            q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+        ) -> tuple[Tensor, Tensor, Tensor]:
+            g = torch.ops.qkv.blocksparse_backward(
+                q, k, v, out, lse, dout, None, ms, [], "none", [], scale, [True, True, True]
+            )
+            return g[0], g[1], g[2]
+
+        def kernel(
+            q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+        ) -> tuple[Tensor, Tensor, Tensor]:
+            lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
+            return native.band_backward(q, k, v, out, dout, lse_hi, lse_lo, None, lo, hi, scale)
+
+        finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        huge = (finite.abs() > HUGE_LOGIT).any()
+        dq, dk, dv = torch.cond(huge, engine, kernel, (q, k, v, out, lse, dout))
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                None, None, None, None)  # fmt: skip
 
 
 def _problem(
