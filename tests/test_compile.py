@@ -214,6 +214,18 @@ def _learnable(kw: dict) -> list[torch.Tensor]:
     return [t for t in found if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+def _graph_ops(counter) -> set[str]:
+    """What the graphs a counting backend saw call, nested graphs (an autograd.Function's
+    forward and backward bodies) included."""
+    return {
+        str(n.target)
+        for g in counter.graphs
+        for m in g.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+    }
+
+
 @pytest.mark.parametrize("name", list(_big_cases()))
 def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name: str):
     kw = _big_cases()[name]
@@ -229,13 +241,7 @@ def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name:
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     got = run(torch.compile(qkv.attention, fullgraph=True, backend=counter))
     assert counter.frame_count == 1
-    ops = {
-        str(n.target)
-        for g in counter.graphs
-        for m in g.modules()
-        if isinstance(m, torch.fx.GraphModule)
-        for n in m.graph.nodes
-    }
+    ops = _graph_ops(counter)
     # (a bias alone is SDPA's, as in eager; a window takes the band kernel's own operator)
     engine = {"bias": None, "window": "qkv_native.band_forward"}.get(name, "qkv.blocksparse")
     if engine is not None:
@@ -244,24 +250,55 @@ def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_operator_takes_any_memory_layout_and_passes_a_nan_on(layout: str):
-    """q, k, v strided, transposed, permuted, offset or expanded reach the operator as they
-    are: output and gradients equal eager's; a NaN in a query row makes that row NaN."""
+def _tilt(s, b, h, qi, ki):
+    return s - 0.01 * (qi - ki).abs()
+
+
+# The compiled paths beyond the dense formula: the engine's operator (documents), the band
+# kernel's own operators (a window), and the plain formula in chunks (a user's score_mod past
+# a 6 MiB dense limit: 2 rows, then 230 at a time). Each path runs in every layout; the
+# chunks' slower compiles run in three by default (a last-dim stride of 2, permuted storage,
+# and contiguous), the others in the extended run.
+_CHUNKS_DEFAULT = {"contiguous", "every_other", "permuted"}
+_PATHS = {
+    "operator": ({"mask": qkv.document(torch.arange(BIG.Lq) * 3 // BIG.Lq)}, None),
+    "band": ({"mask": qkv.sliding_window(40)}, None),
+    "chunks": ({"mask": qkv.causal, "score_mod": _tilt}, 6 << 20),
+}
+
+
+@pytest.mark.parametrize(
+    ("layout", "path"),
+    [
+        (lay, path)
+        if path != "chunks" or lay in _CHUNKS_DEFAULT
+        else pytest.param(lay, path, marks=pytest.mark.extended)
+        for lay in LAYOUTS
+        for path in _PATHS
+    ],
+)
+def test_the_compiled_paths_take_any_memory_layout_and_pass_a_nan_on(layout: str, path: str):
+    """q, k, v strided, transposed, permuted, offset or expanded reach each compiled path as
+    they are: output and gradients equal eager's; a NaN in a query row makes that row NaN."""
     q, k, v = make_qkv(BIG, gen=12)
-    mask = qkv.document(torch.arange(BIG.Lq) * 3 // BIG.Lq)
+    kw, limit = _PATHS[path]
     f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
 
     def run(fn, a):
         leaves = [lay_out(x.detach(), layout).requires_grad_() for x in (a, k, v)]
-        out = fn(*leaves, mask=mask)
+        out = fn(*leaves, **kw)
         return [out, *torch.autograd.grad(out.sum(), leaves)]
 
-    for a, b in zip(run(f, q), run(qkv.attention, q), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    bad = q.clone()
-    bad[0, :, 300] = float("nan")  # every head (an expanded layout keeps one head's values)
-    out = f(lay_out(bad, layout), lay_out(k, layout), lay_out(v, layout), mask=mask)
+    old = qkv.set_dense_limit(limit) if limit else None
+    try:
+        for a, b in zip(run(f, q), run(qkv.attention, q), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        bad = q.clone()
+        bad[0, :, 300] = float("nan")  # every head (an expanded layout keeps one head's values)
+        out = f(lay_out(bad, layout), lay_out(k, layout), lay_out(v, layout), **kw)
+    finally:
+        if old is not None:
+            qkv.set_dense_limit(old)
     assert out[0, :, 300].isnan().all() and torch.isfinite(out[0, :, :300]).all()
 
 
@@ -503,13 +540,7 @@ def test_a_window_compiled_first_traces_the_band_kernel_once(monkeypatch):
     for gen in (23, 24):
         q, k, v = make_qkv(BIG, gen=gen)
         torch.testing.assert_close(fn(q, k, v, mask=mask), qkv.attention(q, k, v, mask=mask))
-    ops = {
-        str(n.target)
-        for g in counter.graphs
-        for m in g.modules()
-        if isinstance(m, torch.fx.GraphModule)
-        for n in m.graph.nodes
-    }
+    ops = _graph_ops(counter)
     assert counter.frame_count == 1 and "qkv_native.band_forward" in ops, sorted(ops)
 
 
