@@ -1,11 +1,12 @@
 """qkv.attention under torch.compile(fullgraph=True): every mask and score kind traces into one
-graph, forward and backward, and equals eager, for calls of up to 2^20 scores.
+graph, forward and backward, and equals eager, at every size; a mod dynamo cannot trace is
+refused in one line.
 
-While dynamo traces, ``auto`` takes SDPA where it can and, for small calls, the plain formula
-(the block-sparse engine's planning reads tensor values and its band kernel is an opaque C++
-op: both break a graph). Larger masked calls run on the block-sparse engine with graph
-breaks, at eager's speed. The matrix uses ``backend="aot_eager"`` (it traces what inductor
-compiles, without code generation); one case runs inductor itself.
+While dynamo traces, ``auto`` takes SDPA where it can, the plain formula for small calls (in
+checkpointed chunks past the dense limit for a user's score_mod), and beyond that the
+block-sparse engine as registered operators (a window: the band kernel's own). The matrix
+uses ``backend="aot_eager"`` (it traces what inductor compiles, without code generation); a
+few cases run inductor itself.
 ``benchmarks/compile_matrix.py`` reports graph breaks and compile times per case.
 """
 
@@ -421,6 +422,62 @@ def test_mods_written_for_vmap_compile_whole():
                 qkv.set_dense_limit(old)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+_FLAG = torch.tensor(True)
+_WEIGHT = torch.tensor([0.5])
+
+
+def _branches_on_a_value(b, h, q_idx, kv_idx):
+    if _FLAG:  # a Python branch on a tensor's value: eager only
+        return kv_idx <= q_idx
+    return kv_idx >= 0
+
+
+def _reads_floats(score, b, h, q_idx, kv_idx):
+    return score * _WEIGHT.tolist()[0]  # float values read in Python: eager only
+
+
+def _line_of(fn, text: str) -> str:
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    at = next(i for i, line in enumerate(lines) if text in line)
+    return f"{os.path.basename(inspect.getsourcefile(fn))}:{first + at}"
+
+
+@pytest.mark.parametrize(
+    "how", ["mask_mod", "and_masks", "block_mask", "score_mod"]
+)  # fmt: skip
+def test_a_mod_dynamo_cannot_trace_is_refused_in_one_line_under_fullgraph(how: str):
+    """A user mod dynamo cannot trace fails a fullgraph compile with one line naming the mod,
+    its line and why (not dynamo's report from inside qkv); without fullgraph it runs, equal
+    to eager; qkv.plan says the same line beforehand."""
+    q, k, v = make_qkv(SHAPE, gen=21)
+    mod, line = _branches_on_a_value, _line_of(_branches_on_a_value, "if _FLAG")
+    kw = {
+        "mask_mod": {"mask": mod},
+        "and_masks": {"mask": qkv.and_masks(qkv.sliding_window(6), mod)},
+        "block_mask": {"mask": qkv.block_mask(mod, 2, 4, SHAPE.Lq, SHAPE.Lk, block_size=16)},
+        "score_mod": {"score_mod": _reads_floats, "mask": qkv.causal},
+    }[how]
+    if how == "score_mod":
+        mod, line = _reads_floats, _line_of(_reads_floats, "tolist")
+    kind = "score_mod" if how == "score_mod" else "mask_mod"
+    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.UserError) as info:
+        f(q, k, v, **kw)
+    head, *rest = str(info.value).splitlines()
+    assert head.startswith(f"{kind} {mod.__name__} cannot be traced by torch.compile, at {line}")
+    assert "fullgraph=True" in head and "torch.where" in head
+    assert not any("/qkv/" in r for r in rest)  # dynamo's stack shows the caller's, not qkv's
+    assert head in qkv.plan(q, k, v, **kw).notes
+    traceable = qkv.plan(q, k, v, mask=lambda b, h, qi, ki: torch.where(_FLAG, ki <= qi, True))
+    assert not [n for n in traceable.notes if "cannot be traced" in n], traceable.notes
+    if how == "mask_mod":
+        torch._dynamo.reset()
+        g = torch.compile(qkv.attention, backend="aot_eager")  # graph breaks allowed: it runs
+        torch.testing.assert_close(g(q, k, v, **kw), qkv.attention(q, k, v, **kw))
 
 
 def test_assume_constant_result_still_only_marks_the_function():

@@ -33,6 +33,7 @@ import torch
 
 from .._core.checks import broadcastable, callable_name, check_mask_result, check_score_result
 from .._core.tracing import assume_constant_result
+from .traceable import refuse_under_fullgraph
 
 Tensor = torch.Tensor
 
@@ -205,6 +206,8 @@ class ModCall:
         self.kind, self.fn, self.why, self.decided = kind, fn, why, decided
 
     def __call__(self, *args: Tensor) -> Any:
+        if torch.compiler.is_compiling():  # (a block mask's mod: not adopted in this trace)
+            traced_convention(self.kind, self.fn, args[0].device.type)  # fullgraph's check
         if not self.decided:
             try:
                 # qkv.block_mask evaluates a mask at each position exactly once: a mask_mod
@@ -289,14 +292,18 @@ def traced_convention(kind: str, fn: Any, device_type: str) -> str | None:
 def _convention_outside(kind: str, fn: Any, device_type: str) -> str | None:
     """:func:`_decide` on real probe tensors (positions 0 and 1 of the query and key axes, on
     ``device_type``); :data:`_IN_TRACE` when the mod fails both ways there (its error is then
-    raised where the trace calls it)."""
+    raised where the trace calls it). Under fullgraph, a mod dynamo cannot trace is refused
+    here in one line (:mod:`qkv._flex.traceable`)."""
     device = torch.device(device_type)
     probe = _probe(1, 1, 2, 2, device)
     args = probe if kind == "mask_mod" else (torch.zeros(1, 1, 2, 2, device=device), *probe)
     try:
-        return _decide(kind, fn, args, alone=kind == "score_mod")[1]
+        why = _decide(kind, fn, args, alone=kind == "score_mod")[1]
     except Exception:
         return _IN_TRACE
+    call = fn if why is None else ModCall(kind, fn, why, decided=True)
+    refuse_under_fullgraph(kind, fn, call, args)
+    return why
 
 
 # A user mod's convention per (kind, device type), decided once: None (broadcasting works) or

@@ -17,6 +17,7 @@ import torch
 
 from .._core.evaluate import grid
 from .compat import ModCall, _is_qkv, _items, _probe, vmap_grid
+from .traceable import message, untraceable
 
 Tensor = torch.Tensor
 
@@ -24,14 +25,20 @@ _TILE = 128  # the tile the cost is measured on (qkv's default block)
 _typical: dict[tuple[str, str], tuple[float, float]] = {}  # (kind, device) -> seconds
 
 
-def _wrappers(obj: Any, depth: int = 0) -> list[ModCall]:
-    if isinstance(obj, ModCall):
+def _user_mods(obj: Any, depth: int = 0) -> list[Any]:
+    """The user's mods in ``obj`` as qkv calls them: a :class:`ModCall` (through vmap, or not
+    decided yet) or the function itself (broadcast)."""
+    if isinstance(obj, ModCall) or (callable(obj) and not _is_qkv(obj)):
         return [obj]
     if depth > 6 or isinstance(obj, Tensor) or not _is_qkv(obj):
         return []
     attrs = getattr(obj, "__dict__", {})  # a BlockMask's mask_mod, and what _adopt wraps
     inner = [x for a in ("mask_mod", "mod", "mods") for x in _items(attrs.get(a))]
-    return [w for x in inner for w in _wrappers(x, depth + 1)]
+    return [w for x in inner for w in _user_mods(x, depth + 1)]
+
+
+def _wrappers(obj: Any) -> list[ModCall]:
+    return [w for w in _user_mods(obj) if isinstance(w, ModCall)]
 
 
 def _seconds(f: Callable[[], Any], device: torch.device) -> float:
@@ -95,4 +102,21 @@ def plan_notes(p: Any) -> list[str]:
             f"{_TILE}x{_TILE} tile: {tv * 1e6:.0f} us through vmap, {tb * 1e6:.0f} us "
             f"broadcast; {w.__name__} takes {own * 1e6:.0f} us on a {r}x{c} tile of one (b, h))"
         )
+    return notes + _trace_notes(p)
+
+
+def _trace_notes(p: Any) -> list[str]:
+    """A note for each user mod dynamo cannot trace: what ``torch.compile(fullgraph=True)``
+    refuses it with (:mod:`qkv._flex.traceable`), asked on the same probe."""
+    notes = []
+    probe = _probe(1, 1, 2, 2, p.device)
+    for kind, obj in (("mask_mod", p.mask.mask_mod), ("score_mod", p.score.score_mod)):
+        for call in _user_mods(obj):
+            fn = call.fn if isinstance(call, ModCall) else call
+            if isinstance(call, ModCall) and call.why is None:
+                call = fn  # decided: broadcasting works, so the function itself is called
+            args = _args(kind, probe, torch.float32)
+            why = untraceable(kind, fn, call, args)
+            if why is not None:
+                notes.append(message(kind, fn, why))
     return notes
