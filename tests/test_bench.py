@@ -12,6 +12,13 @@ from qkv._cli import bench, bench_cases  # private: the bench command's mask spe
 from qkv.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _small_peak(monkeypatch):
+    """The matmul peak on 256² products, not 2048² (7 per case: most of a tiny sweep's time);
+    no value here is asserted."""
+    monkeypatch.setattr(bench, "_PEAK_N", 256)
+
+
 def test_bench_sweep_prints_table_and_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     argv = ["bench", "--lengths", "64", "--masks", "none,causal,window,document,prefix"]
