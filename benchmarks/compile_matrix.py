@@ -40,6 +40,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-in
 
 import torch
 import torch._dynamo
+from torch.nn.attention.flex_attention import create_block_mask
 
 import qkv
 
@@ -74,6 +75,8 @@ def _cases(L: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
         # FlexAttention's one-element convention: runs through torch.vmap
         "vmap_mod": {"score_mod": lambda s, b, h, qi, ki: s + tab[qi][ki]},
         "lse": {"mask": qkv.causal, "return_lse": True},
+        # a FlexAttention BlockMask, as a model written for FlexAttention passes it
+        "flex_bm": {"mask": create_block_mask(lambda b, h, qi, ki: ki <= qi, B, None, L, L, "cpu")},
     }
 
 

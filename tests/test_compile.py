@@ -319,6 +319,33 @@ def test_the_operator_takes_new_ids_and_user_mask_mods():
     torch.testing.assert_close(f(q, k, v, mask=near), qkv.attention(q, k, v, mask=near))
 
 
+@pytest.mark.parametrize("shape", [SHAPE, BIG], ids=["dense", "operator"])
+def test_flexattention_block_masks_compile_fullgraph(shape):
+    """A FlexAttention BlockMask (its block lists and mask_mod) is converted in the graph:
+    fullgraph, forward and backward equal to eager, and a new BlockMask of the same shapes
+    (new document ids in a new closure, as a training loop makes one per batch) reuses the
+    graph. Within the dense formula and through the engine's operator."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = make_qkv(shape, gen=23)
+
+    def documents(ids):
+        def mod(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx + shape.Lk - shape.Lq)
+
+        return mod
+
+    L = max(shape.Lq, shape.Lk)
+    masks = [documents(torch.arange(L) // n) for n in (7, 23)] + [flex.noop_mask]
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(qkv.attention, fullgraph=True, backend=counter)
+    for mod in masks:
+        bm = flex.create_block_mask(mod, shape.B, None, shape.Lq, shape.Lk, device="cpu")
+        got, want = (_fwd_bwd(fn, q, k, v, {"mask": bm}) for fn in (f, qkv.attention))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 2, counter.frame_count  # the documents' graph, noop's
+
+
 def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():
     """A score_mod is code and cannot cross the engine's operator: under torch.compile the
     plain formula takes it into the graph (gradients into the tensor it closes over

@@ -18,7 +18,7 @@ and their mask_mod is evaluated at the real positions only.
 
 from __future__ import annotations
 
-import importlib
+import sys
 import weakref
 from typing import Any
 
@@ -50,7 +50,8 @@ class _FlexMaskMod:
         self.states = states  # int8 [B|1, H|1, nq, nk] at FlexAttention's block size
         self.block = block
         self.mod = mod
-        self.any_partial = bool((states == PARTIAL).any())
+        # (while dynamo traces, a value cannot be read: the mod is evaluated, as if partial)
+        self.any_partial = torch.compiler.is_compiling() or bool((states == PARTIAL).any())
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         s, (bq, bk) = self.states, self.block
@@ -112,13 +113,15 @@ def from_flex_block_mask(
     """The :class:`qkv.BlockMask` computing what FlexAttention computes with ``fbm`` on a
     ``[B, H, Lq, Lk]`` problem (``H`` = query heads); ``ValueError`` if it was built for
     another problem."""
-    flex = importlib.import_module(_FLEX)
+    flex = sys.modules[_FLEX]  # loaded: fbm is one of its BlockMasks
+    tracing = torch.compiler.is_compiling()  # converted in the graph, nothing kept
     lists = (fbm.kv_num_blocks, fbm.kv_indices, fbm.full_kv_num_blocks, fbm.full_kv_indices)
     key: tuple[Any, ...] = (B, H, Lq, Lk, str(device), fbm.mask_mod, fbm.BLOCK_SIZE)
-    key += (fbm.seq_lengths, *((t, t._version) for t in lists if t is not None))  # edits too
-    hit = _converted.get(fbm)
-    if hit is not None and _same(hit[0], key):
-        return hit[1]
+    if not tracing:
+        key += (fbm.seq_lengths, *((t, t._version) for t in lists if t is not None))  # edits
+        hit = _converted.get(fbm)
+        if hit is not None and _same(hit[0], key):
+            return hit[1]
     bq, bk = (int(x) for x in fbm.BLOCK_SIZE)
     large = getattr(flex, "_LARGE_SPARSE_BLOCK_SIZE", 1 << 30)
     build = (
@@ -157,7 +160,7 @@ def from_flex_block_mask(
     states = states[:, :, :nq].contiguous()  # [Bm, Hm, nq, nk]
     mod = fbm.mask_mod
     if mod is getattr(flex, "noop_mask", None):
-        states[states == PARTIAL] = FULL  # its mask_mod lets everything through
+        states = torch.where(states == PARTIAL, FULL, states)  # it lets everything through
     else:
         mod = mask_mod_convention(mod, B, H, Lq, Lk, device)  # called with every b and h
     tiles, tq, tk = _qkv_tiles(states, Lq, Lk, bq, bk)
@@ -170,7 +173,8 @@ def from_flex_block_mask(
         evaluated=[],
         device=device,
     )
-    _converted[fbm] = (key, bm)
+    if not tracing:
+        _converted[fbm] = (key, bm)
     return bm
 
 
