@@ -3,10 +3,12 @@ eager peer reading the same GGUF file: ~20-30 s, so at most once per test sessio
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -34,15 +36,27 @@ def smollm2() -> Any:
 def peer() -> tuple[Any, Any]:
     """transformers' ``LlamaForCausalLM`` (eager attention, float32) and tokenizer, from the
     same file."""
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_path()
     kw: dict[str, Any] = {"gguf_file": path.name}
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, **kw, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return model, AutoTokenizer.from_pretrained(path.parent, **kw)
+    # transformers parses the file with gguf.GGUFReader three times (config, weights,
+    # tokenizer: ~7 s each here) and builds gguf's tensor-name map once per tensor (~8 s in
+    # all): both are pure functions of their arguments, so the load keeps their results.
+    cached = {
+        "GGUFReader": functools.lru_cache(maxsize=1)(gguf.GGUFReader),
+        "get_tensor_name_map": functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map),
+    }
+    with contextlib.ExitStack() as stack:
+        for name, fn in cached.items():
+            stack.enter_context(mock.patch.object(gguf, name, fn))
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, **kw, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
