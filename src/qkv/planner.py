@@ -304,7 +304,10 @@ def plan(
 
     Takes exactly the arguments of :func:`qkv.attention` (shapes ``q [B, Hq, Lq, D]``,
     ``k [B, Hkv, Lk, D]``, ``v [B, Hkv, Lk, Dv]``) and computes nothing but the plan (meta
-    tensors work: nothing is allocated).
+    tensors work: nothing is allocated). Its notes also say which of the user's mods run
+    through ``torch.vmap`` (with their cost, measured now) and which ``torch.compile``
+    cannot trace (the line ``fullgraph=True`` refuses them with; asked by compiling the mod
+    alone once, about 0.1 s, plus dynamo's import the first time).
 
     Example::
 
