@@ -465,6 +465,14 @@ def _reads_floats(score, b, h, q_idx, kv_idx):
     return score * _WEIGHT.tolist()[0]  # float values read in Python: eager only
 
 
+_TABLE = torch.rand(SHAPE.Lq, SHAPE.Lk)
+
+
+def _reads_floats_per_element(score, b, h, q_idx, kv_idx):
+    # FlexAttention's convention (indexing twice: qkv runs it through torch.vmap)
+    return score + _TABLE[q_idx][kv_idx] * _WEIGHT.tolist()[0]
+
+
 def _line_of(fn, text: str) -> str:
     import inspect
 
@@ -474,7 +482,7 @@ def _line_of(fn, text: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "how", ["mask_mod", "and_masks", "block_mask", "score_mod"]
+    "how", ["mask_mod", "and_masks", "block_mask", "score_mod", "vmap"]
 )  # fmt: skip
 def test_a_mod_dynamo_cannot_trace_is_refused_in_one_line_under_fullgraph(how: str):
     """A user mod dynamo cannot trace fails a fullgraph compile with one line naming the mod,
@@ -487,10 +495,14 @@ def test_a_mod_dynamo_cannot_trace_is_refused_in_one_line_under_fullgraph(how: s
         "and_masks": {"mask": qkv.and_masks(qkv.sliding_window(6), mod)},
         "block_mask": {"mask": qkv.block_mask(mod, 2, 4, SHAPE.Lq, SHAPE.Lk, block_size=16)},
         "score_mod": {"score_mod": _reads_floats, "mask": qkv.causal},
+        "vmap": {"score_mod": _reads_floats_per_element},
     }[how]
     if how == "score_mod":
         mod, line = _reads_floats, _line_of(_reads_floats, "tolist")
-    kind = "score_mod" if how == "score_mod" else "mask_mod"
+    if how == "vmap":
+        mod = _reads_floats_per_element
+        line = _line_of(mod, "tolist")
+    kind = "score_mod" if how in ("score_mod", "vmap") else "mask_mod"
     f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
     with pytest.raises(torch._dynamo.exc.UserError) as info:
         f(q, k, v, **kw)

@@ -71,8 +71,9 @@ def untraceable(
 ) -> str | None:
     """Why dynamo cannot trace ``call`` (``fn`` as qkv calls it: itself, or through vmap) on
     ``args``, or None if it can. Compiled alone with fullgraph once per mod, kind, device
-    type and convention (~0.1 s); only dynamo's own refusals count (any other error is the
-    mod's, and the call itself raises it)."""
+    type and convention (~0.1 s); a mod qkv runs through vmap is compiled on one element
+    (0-d tensors, what vmap gives it), not through vmap's levels. Only dynamo's own refusals
+    count (any other error is the mod's, and the call itself raises it)."""
     key = (kind, args[0].device.type, call is fn)
     try:
         known = _verdicts.get(fn, {})
@@ -83,6 +84,8 @@ def untraceable(
     import torch._dynamo.exc as dexc
 
     why: str | None = None
+    if call is not fn:  # through vmap: one element (dynamo traces vmap's levels slowly: ~6 s)
+        call, args = fn, tuple(a.reshape(-1)[0] for a in args)
     try:
         with torch.no_grad():
             torch.compile(_calling(call), fullgraph=True, backend="eager")(*args)
