@@ -346,6 +346,62 @@ def test_flexattention_block_masks_compile_fullgraph(shape):
     assert counter.frame_count == 2, counter.frame_count  # the documents' graph, noop's
 
 
+def _dynamic_case(name: str, shape, n: int) -> dict:
+    if name == "window":
+        return {"mask": qkv.sliding_window(n)}
+    if name == "or":
+        return {"mask": qkv.or_masks(qkv.sliding_window(n), qkv.prefix_lm(2 * n))}
+    if name == "softcap":
+        return {"mask": qkv.prefix_lm(n), "score_mod": qkv.softcap(float(n))}
+    if name == "relative":
+        table = torch.linspace(-1, 1, (2 * n + 1) * shape.Hq).view(2 * n + 1, shape.Hq)
+        return {"score_mod": qkv.relative_bias(table, n)}
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    mod = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= n  # noqa: E731
+    return {"mask": flex.create_block_mask(mod, shape.B, None, shape.Lq, shape.Lk, device="cpu")}
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [("window", BIG), ("or", BIG), ("relative", BIG), ("softcap", SHAPE), ("flex_bm", BIG)],
+    ids=["window", "or", "relative", "softcap-dense", "flex_bm"],
+)
+def test_dynamic_true_traces_and_new_parameters_give_their_own_answers(name, shape):
+    """``torch.compile(dynamic=True)`` makes the ints and floats a mask or score carries
+    symbolic (a window's edges, a softcap, a relative distance): they cannot be written into
+    an operator's spec, sorted, or named while tracing. They travel as 0-d tensors instead,
+    and a second call with other parameters, through the same compiled function, equals
+    eager (a kept plan keyed by the spec alone would answer for the first). Backend
+    "eager": what fails is dynamo's tracing, and AOTAutograd traces symbolic shapes 3-4x
+    slower."""
+    q, k, v = make_qkv(shape, gen=31)
+    f = torch.compile(qkv.attention, fullgraph=True, dynamic=True, backend="eager")
+    for n in (9, 4) if shape is BIG else (9,):  # (the dense formula keeps no plan)
+        kw = _dynamic_case(name, shape, n)
+        got, want = (_fwd_bwd(fn, q, k, v, kw) for fn in (f, qkv.attention))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_is_symbolic_tells_dynamos_symbolic_numbers():
+    """qkv tells a symbolic int or float from a constant by ``(x == x) is not True``; this
+    fails if dynamo changes how it answers."""
+    from qkv._core.tracing import is_symbolic
+
+    class Holder:
+        def __init__(self, n: int, x: float) -> None:
+            self.n, self.x = n, x
+
+    def f(t, h):
+        return t + 10 * is_symbolic(h.n) + is_symbolic(h.x)
+
+    assert not is_symbolic(3) and not is_symbolic(0.5)
+    for dynamic, want in ((True, 11.0), (False, 0.0)):
+        torch._dynamo.reset()
+        g = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")
+        assert g(torch.zeros(()), Holder(3, 0.5)).item() == want, dynamic
+
+
 def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():
     """A score_mod is code and cannot cross the engine's operator: under torch.compile the
     plain formula takes it into the graph (gradients into the tensor it closes over

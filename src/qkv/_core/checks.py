@@ -124,7 +124,8 @@ def check_dropout(p: object) -> float:
 def broadcastable(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     if len(shape) > len(target):
         return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False))
+    # == rather than `in`: symbolic sizes (dynamo's dynamic shapes) compare by value only so
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 def as_4d(t: Tensor) -> Tensor:
@@ -207,15 +208,18 @@ def check_score_result(
     result: object, mod: Callable[..., Any], shape: tuple[int, ...], dtype: torch.dtype
 ) -> Tensor:
     """Check what a score_mod returned for scores of ``shape``; cast to the compute dtype."""
-    name = callable_name(mod)
+    # (named only on an error: a name written from symbolic ints cannot be traced)
     if not isinstance(result, Tensor):
         raise TypeError(
-            f"score_mod {name} returned {type(result).__name__}; it must return a float tensor "
-            f"computed from its score argument"
+            f"score_mod {callable_name(mod)} returned {type(result).__name__}; it must return "
+            f"a float tensor computed from its score argument"
         )
     if not result.is_floating_point():
-        raise TypeError(f"score_mod {name} returned dtype {result.dtype}; it must return floats")
+        raise TypeError(
+            f"score_mod {callable_name(mod)} returned dtype {result.dtype}; it must return floats"
+        )
     if not broadcastable(tuple(result.shape), shape):
+        name = callable_name(mod)
         raise ValueError(
             f"score_mod {name} returned shape {tuple(result.shape)}, which does not broadcast "
             f"to the scores {list(shape)}; return a tensor shaped like its score argument"

@@ -278,13 +278,29 @@ def _simplify_and(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
     return _combined("and", flat, parts, source)
 
 
+def _by_lo(bands: list[MaskKind]) -> list[MaskKind]:
+    """``bands`` by lower edge, unbounded first (stable), by comparisons only: ``sorted``
+    cannot order symbolic ints while dynamo traces with dynamic shapes (a few bands at most)."""
+
+    def before(a: MaskKind, b: MaskKind) -> bool:
+        if a.lo is None or b.lo is None:
+            return a.lo is None and b.lo is not None
+        return bool(a.lo < b.lo)
+
+    out: list[MaskKind] = []
+    for b in bands:
+        at = len(out)
+        while at > 0 and before(b, out[at - 1]):
+            at -= 1
+        out.insert(at, b)
+    return out
+
+
 def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
     flat = _flatten(parts, "or")
     if any(p.kind == "none" for p in flat):
         return replace(NO_MASK, source=source, simplified=True)
-    bands = sorted(
-        (p for p in flat if p.is_band), key=lambda b: -(1 << 62) if b.lo is None else b.lo
-    )
+    bands = _by_lo([p for p in flat if p.is_band])
     united: list[MaskKind] = []
     for b in bands:  # overlapping or touching bands unite into one
         last = united[-1] if united else None

@@ -29,6 +29,7 @@ import torch
 from .._flex.compat import ModCall
 from .builtin_mods import CAUSAL, Alibi, And, Band, Document, KvBelow, Or, RelativeBias, Softcap
 from .kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
+from .tracing import is_symbolic
 
 Tensor = torch.Tensor
 
@@ -51,8 +52,23 @@ def _slot(t: Tensor, tensors: list[Tensor]) -> str:
     return f"#{len(tensors) - 1}"
 
 
-def _edge(x: int | None) -> str:
-    return "-" if x is None else str(x)
+def _number(x: float | None, tensors: list[Tensor]) -> str:
+    """A number of a spec (a band edge, a prefix or padding length, a distance, a softcap)
+    written out. A symbolic one (dynamo traces with ``dynamic=True``; a spec must be a
+    constant) travels as a 0-d tensor in a slot marked ``@``, read back in the operator."""
+    if x is None:
+        return "-"
+    if not is_symbolic(x):
+        return repr(x)
+    dtype = torch.float64 if isinstance(x, float) else torch.int64
+    tensors.append(torch.scalar_tensor(x, dtype=dtype))
+    return f"@{len(tensors) - 1}"
+
+
+def has_numbers(spec: str) -> bool:
+    """Whether ``spec`` holds ints in slots (see :func:`_number`): it then says less than the
+    kind it describes, whose ints are read from its tensors."""
+    return "@" in spec
 
 
 def mask_spec(m: MaskKind, tensors: list[Tensor]) -> str | None:
@@ -63,13 +79,15 @@ def mask_spec(m: MaskKind, tensors: list[Tensor]) -> str | None:
     if m.kind == "causal":
         return "causal"
     if m.kind == "band":
-        return f"band({_edge(m.lo)},{_edge(m.hi)})"
+        return f"band({_number(m.lo, tensors)},{_number(m.hi, tensors)})"
     if m.kind == "prefix":
-        return f"prefix({m.limit})" if isinstance(m.limit, int) else None
+        return f"prefix({_number(m.limit, tensors)})" if isinstance(m.limit, int) else None
     if m.kind == "document" and m.ids is not None:
         return f"doc({_slot(m.ids, tensors)})"
     if m.kind == "padding":
-        lim = m.limit if isinstance(m.limit, int) else _slot(m.limit, tensors)  # type: ignore[arg-type]
+        lim = (
+            _number(m.limit, tensors) if isinstance(m.limit, int) else _slot(m.limit, tensors)  # type: ignore[arg-type]
+        )
         start = "-" if m.start is None else _slot(m.start, tensors)
         return f"pad({lim},{start})"
     if m.kind == "tensor" and m.tensor is not None:
@@ -93,9 +111,9 @@ def score_spec(s: ScoreKind, tensors: list[Tensor]) -> str | None:
     if s.kind == "alibi" and isinstance(src, Alibi):
         return f"alibi({_slot(src.slopes, tensors)})"
     if s.kind == "softcap" and isinstance(src, Softcap):
-        return f"softcap({src.cap!r})"
+        return f"softcap({_number(src.cap, tensors)})"
     if s.kind == "relative" and isinstance(src, RelativeBias):
-        return f"relative({_slot(src.table, tensors)},{src.max_distance})"
+        return f"relative({_slot(src.table, tensors)},{_number(src.max_distance, tensors)})"
     return None
 
 
@@ -121,6 +139,8 @@ def _parse(spec: str) -> tuple[str, str]:
 def _value(x: str, tensors: list[Tensor]) -> Tensor | int | None:
     if x == "-":
         return None
+    if x.startswith("@"):  # a number in a slot
+        return tensors[int(x[1:])].item()  # type: ignore[return-value]
     return tensors[int(x[1:])] if x.startswith("#") else int(x)
 
 
@@ -135,7 +155,8 @@ def mask_from_spec(spec: str, tensors: list[Tensor]) -> MaskKind:
         lo, hi = (_value(a, tensors) for a in args.split(","))
         return band(lo, hi)  # type: ignore[arg-type]
     if name == "prefix":
-        P = int(args)
+        P = _value(args, tensors)
+        assert isinstance(P, int)
         mod = Or((KvBelow(P, f"kv_idx < {P}"), CAUSAL), f"qkv.prefix_lm({P})")
         return MaskKind("prefix", mod, limit=P)
     if name == "doc":
@@ -164,10 +185,11 @@ def score_from_spec(spec: str, tensors: list[Tensor]) -> ScoreKind:
     if name == "alibi":
         return classify_score(Alibi(tensors[int(args[1:])]))
     if name == "softcap":
-        return classify_score(Softcap(float(args)))
+        cap = float(tensors[int(args[1:])].item() if args.startswith("@") else args)
+        return classify_score(Softcap(cap))
     if name == "relative":
         t, r = args.split(",")
-        return classify_score(RelativeBias(tensors[int(t[1:])], int(r)))
+        return classify_score(RelativeBias(tensors[int(t[1:])], _value(r, tensors)))  # type: ignore[arg-type]
     raise ValueError(f"not a score spec: {spec!r}")
 
 

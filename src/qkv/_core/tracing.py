@@ -19,3 +19,13 @@ def assume_constant_result(fn: F) -> F:
     this attribute (``tests/test_compile.py`` checks that it still does)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
+
+
+def is_symbolic(x: object) -> bool:
+    """Whether ``x``, an int or float, is symbolic while dynamo traces: ``dynamic=True`` makes
+    the ints and floats qkv reads from a call's arguments (a window's edges, a default scale
+    of ``1/sqrt(D)``) ``SymInt`` / ``SymFloat``. Dynamo answers ``isinstance`` for them as for
+    ``int`` and ``float``, and cannot write them as text, but ``x == x`` is a symbolic bool
+    there, not the object ``True`` (``tests/test_compile.py`` checks that it still is). False
+    outside a trace."""
+    return (x == x) is not True

@@ -21,9 +21,15 @@ import torch
 
 from ..._core.evaluate import mask_at, whole
 from ..._core.kinds import MaskKind, ScoreKind, classify_mask
-from ..._core.kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
+from ..._core.kindspec import (
+    has_numbers,
+    mask_from_spec,
+    mask_spec,
+    score_from_spec,
+    score_spec,
+)
 from ..._core.problem import Problem
-from ..._core.tracing import assume_constant_result
+from ..._core.tracing import assume_constant_result, is_symbolic
 from ..._planning.signature import native_setting
 from ..base import HUGE_LOGIT, unit_last_stride
 from . import native
@@ -67,7 +73,13 @@ def attention(p: Problem) -> tuple[Tensor, Tensor | None]:
     mt: list[Tensor] = []
     st: list[Tensor] = []
     ms, ss = mask_spec(p.mask, mt), score_spec(p.score, st)
-    if ms is not None and ss == "none" and not p.return_lse and _band_kernel(p):
+    if (
+        ms is not None
+        and ss == "none"
+        and not p.return_lse
+        and not (has_numbers(ms) or is_symbolic(p.scale))  # (dynamic=True: the operators)
+        and _band_kernel(p)
+    ):
         return _Band.apply(p.q, p.k, p.v, p.mask.lo, p.mask.hi, p.scale, ms), None
     if ms is None:  # a user's mask_mod: evaluated here, in the graph, into a bool tensor
         mt = []
@@ -196,6 +208,8 @@ def _job(p: Problem, ms: str, ss: str) -> Job:
     """``make_job(p)``, kept for masks without tensors (see ``_JOBS``); ``ms`` and ``ss`` are
     ``p``'s specs. The key is what planning reads, the specs standing for the kinds (their
     tensors' values are read from the bound problem at every call)."""
+    if has_numbers(ms) or has_numbers(ss):  # the ints the specs left in slots, written out
+        ms, ss = mask_spec(p.mask, []) or "", score_spec(p.score, []) or ""
     if not ms.startswith(_KEPT_MASKS) or ss.startswith("bias("):
         return make_job(p)
     q, k, v = p.q, p.k, p.v
