@@ -10,9 +10,10 @@ without code generation) and reports:
 - ``breaks``: graph breaks under the default compile (``torch._dynamo.explain``);
 - ``compile s``: the wall time of the first fullgraph (or default) call.
 
-``--dense-limit BYTES`` runs the matrix under ``qkv.set_dense_limit(BYTES)``: with a small
-limit the calls the engine's operator cannot take (a user's score_mod) trace as the plain
-formula in chunks of query rows.
+``--dynamic`` compiles the fullgraph column with ``dynamic=True`` (every int and float the
+call reads symbolic). ``--dense-limit BYTES`` runs the matrix under
+``qkv.set_dense_limit(BYTES)``: with a small limit the calls the engine's operator cannot
+take (a user's score_mod) trace as the plain formula in chunks of query rows.
 
 With ``--inductor-window N`` it also compiles a sliding window's forward + backward at length
 N with inductor (fullgraph=True) and reports the first compile's
@@ -21,7 +22,7 @@ time and the compiled / eager time ratio (medians of ``--rounds`` interleaved ro
 Not a test (it measures where qkv stands; the compile tests assert what must hold). Run::
 
     .venv/bin/python benchmarks/compile_matrix.py [--lengths 200 1100] [--only window]
-        [--dense-limit 4194304] [--inductor-window 2048] [--rounds 9]
+        [--dense-limit 4194304] [--dynamic] [--inductor-window 2048] [--rounds 9]
 """
 
 from __future__ import annotations
@@ -93,10 +94,13 @@ def _run(fn: Callable[..., Any], q, k, v, kw) -> tuple[torch.Tensor, list[torch.
     return loss.detach(), list(torch.autograd.grad(loss, leaves))
 
 
+DYNAMIC: bool | None = None  # torch.compile's dynamic= (--dynamic sets True)
+
+
 def _fullgraph(q, k, v, kw) -> tuple[str, float]:
     torch._dynamo.reset()
     want, wgrads = _run(qkv.attention, q, k, v, kw)
-    f = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
+    f = torch.compile(qkv.attention, fullgraph=True, dynamic=DYNAMIC, backend="aot_eager")
     t0 = time.perf_counter()
     try:
         got, grads = _run(f, q, k, v, kw)
@@ -170,7 +174,10 @@ def main() -> None:
     ap.add_argument("--inductor-window", type=int, default=0, help="also time inductor at N")
     ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of that timing")
     ap.add_argument("--dense-limit", type=int, default=0, help="qkv.set_dense_limit(BYTES)")
+    ap.add_argument("--dynamic", action="store_true", help="fullgraph with dynamic=True")
     args = ap.parse_args()
+    global DYNAMIC
+    DYNAMIC = True if args.dynamic else None
     if args.dense_limit:
         qkv.set_dense_limit(args.dense_limit)
     warnings.filterwarnings("ignore")  # dynamo's advice per graph break: the table says it
@@ -178,6 +185,8 @@ def main() -> None:
     torch.manual_seed(0)
     print(describe())
     print(f"torch {torch.__version__}; B={B} H={H} Hkv={HKV} D={D}; backend aot_eager, fwd+bwd")
+    if args.dynamic:
+        print("fullgraph compiled with dynamic=True (breaks: the default compile, as always)")
     if args.dense_limit:
         print(f"dense limit {args.dense_limit} bytes")
     for L in args.lengths:
