@@ -167,17 +167,22 @@ def test_beyond_the_dense_limit_it_still_runs():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_multi_head_attention_with_a_window_and_documents_compiles_fullgraph():
+@pytest.mark.parametrize("L", [30, 520], ids=["dense", "operators"])
+def test_multi_head_attention_with_a_window_and_documents_compiles_fullgraph(L):
+    """A training step through MultiHeadAttention, whose q/k/v are transposed views of its
+    projections, equals eager: in the dense formula and (past 2^20 scores) through the
+    engine's operators and the band kernel's, whose gradients the compiled backward views
+    by the strides their fake implementations give (they differed once: a RuntimeError)."""
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(32, 4, n_kv_heads=2, rope=True)
-    x = torch.randn(2, 30, 32)
+    x = torch.randn(1 if L > 30 else 2, L, 32)
 
     def step(module, mask):
         xl = x.detach().requires_grad_()
         out = module(xl, mask=mask)
         return [out.detach(), *torch.autograd.grad(out.sum(), [xl, *mha.parameters()])]
 
-    for mask in (qkv.sliding_window(6), qkv.document(torch.arange(30) // 10)):
+    for mask in (qkv.sliding_window(6), qkv.document(torch.arange(L) // (L // 3))):
         want = step(mha, mask)
         got = step(torch.compile(mha, fullgraph=True, backend="aot_eager"), mask)
         for a, b in zip(got, want, strict=True):
@@ -400,6 +405,33 @@ def test_is_symbolic_tells_dynamos_symbolic_numbers():
         torch._dynamo.reset()
         g = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")
         assert g(torch.zeros(()), Holder(3, 0.5)).item() == want, dynamic
+
+
+@pytest.mark.parametrize("spec", ["causal", "band(-8,0)", "prefix(5)", "doc(#0)"])
+def test_the_operators_outputs_have_the_strides_their_fake_implementations_give(spec):
+    """The compiled graph lays out what follows an operator by its fake implementation's
+    strides, so the real outputs must have them, for q/k/v in any layout (a causal call's
+    kernel wrote its output as [B, L, H, D] while the fake said contiguous)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(2, 40, 4, 16).transpose(1, 2)  # a projection's layout
+    k, v = (torch.randn(2, 40, 2, 16).transpose(1, 2) for _ in range(2))
+    mt = [torch.arange(40) // 15] if spec.startswith("doc") else []
+    slopes = [qkv.alibi_slopes(4)]
+    fwd, bwd = torch.ops.qkv.blocksparse, torch.ops.qkv.blocksparse_backward
+
+    def run(q, k, v, mt, slopes):
+        out, lse = fwd(q, k, v, spec, mt, "alibi(#0)", slopes, 0.25, True)
+        grads = bwd(q, k, v, out, lse, out, None, spec, mt, "alibi(#0)", slopes, 0.25,
+                    [True, True, True, True])  # fmt: skip
+        return [out, lse, *grads]
+
+    real = run(q, k, v, mt, slopes)
+    with FakeTensorMode() as mode:
+        fake = run(*(mode.from_tensor(t) for t in (q, k, v)),
+                   [mode.from_tensor(t) for t in mt], [mode.from_tensor(slopes[0])])  # fmt: skip
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dslopes"], real, fake, strict=True):
+        assert (a.shape, a.stride()) == (b.shape, b.stride()), name
 
 
 def test_a_user_score_mod_beyond_the_dense_formula_compiles_whole():

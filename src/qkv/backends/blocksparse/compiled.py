@@ -243,7 +243,9 @@ def _forward_op(
     p = _problem(q, k, v, mask_spec, mask_tensors, score_spec, score_tensors, scale)
     job = _job(p, mask_spec, score_spec)
     with torch.no_grad():
-        return forward(job, *_dense_last(job.fused, q, k, v))
+        out, lse = forward(job, *_dense_last(job.fused, q, k, v))
+    # contiguous, as the fake implementation says (a causal call's kernel writes [B, L, H, D])
+    return out.contiguous(), lse.contiguous()
 
 
 @_forward_op.register_fake
@@ -292,17 +294,20 @@ def _backward_op(
         d_lse = dlse if dlse is not None and bool(dlse.any()) else None
         g = backward(job, qq, kk, vv, out, lse, dout, d_lse, need_all)
     by_id = {id(t): d for t, d in zip(params, g.dparams, strict=True)}
+    # Contiguous, as the fake implementation says: the compiled backward views them by the
+    # fake's strides (MultiHeadAttention's transposes back to [B, L, H*D] failed otherwise).
     grads = [
-        g.dq.to(q.dtype) if need[0] else q.new_empty(0),
-        g.dk.to(k.dtype) if need[1] else k.new_empty(0),
-        g.dv.to(v.dtype) if need[2] else v.new_empty(0),
+        g.dq.to(q.dtype).contiguous() if need[0] else q.new_empty(0),
+        g.dk.to(k.dtype).contiguous() if need[1] else k.new_empty(0),
+        g.dv.to(v.dtype).contiguous() if need[2] else v.new_empty(0),
     ]
     for t, leaf, n in zip(score_tensors, leaves, need[3:], strict=True):
         d = g.dbias if leaf is p.score.bias else by_id.get(id(leaf))
         if not n:
             grads.append(t.new_empty(0))
         else:  # a tensor no visible score reached gets zeros, as plain autograd gives
-            grads.append(torch.zeros_like(t) if d is None else d.to(t.dtype))
+            d = torch.zeros(t.shape, dtype=t.dtype, device=t.device) if d is None else d
+            grads.append(d.to(t.dtype).contiguous())
     return grads
 
 
@@ -310,7 +315,7 @@ def _backward_op(
 def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> list[Tensor]:
     score_tensors, need = args[-3], args[-1]
     return [
-        torch.empty_like(t) if n else t.new_empty(0)
+        t.new_empty(t.shape) if n else t.new_empty(0)  # contiguous, as the operator's are
         for t, n in zip([q, k, v, *score_tensors], need, strict=True)
     ]
 
