@@ -13,8 +13,9 @@ The spec holds the structure and the numbers that decide it (band edges, a prefi
 softcap), which dynamo guards on like any constant it reads (under ``dynamic=True`` those
 numbers are symbolic: each travels as a 0-d tensor in a slot marked ``@``); the tensors
 (document ids, padding lengths, bool masks, biases, ALiBi slopes, relative tables) travel as
-graph inputs, so new values of the same shapes reuse the compiled graph. A user's mask_mod or score_mod,
-and anything holding one, has no spec (``None``): it cannot cross an operator boundary.
+graph inputs, so new values of the same shapes reuse the compiled graph. A user's mask_mod or
+score_mod, and anything holding one, has no spec (``None``): it cannot cross an operator
+boundary.
 
 The same masks and scores as *tokens* (:func:`mask_token`, :func:`score_token`): hashable
 parts of a call's signature (``qkv._planning.signature``), under which the planner keeps the
