@@ -137,9 +137,8 @@ class _Band(torch.autograd.Function):
             g = torch.ops.qkv.blocksparse_backward(
                 q, k, v, out, lse, dout, None, ms, [], "none", [], scale, [True, True, True]
             )
-            # contiguous as the kernel's are (torch.cond's branches must agree on strides;
-            # the operator's follow the inputs' layout)
-            return g[0].contiguous(), g[1].contiguous(), g[2].contiguous()
+            # (contiguous, as the kernel's: torch.cond's branches must agree on strides)
+            return g[0], g[1], g[2]
 
         def kernel(
             q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
