@@ -5,21 +5,30 @@ bounded timeouts, and no process outliving the call (each is killed on failure o
 *args)``, each writing its results as JSON to ``out/rank{r}.json``, and returns them by rank.
 A world is spawned once per world size and runs many cases, because starting one costs
 seconds (each process imports torch and qkv).
+
+Each rank's stdout and stderr go to ``out/rank{r}.log`` (with faulthandler on, so a crash in
+C++ leaves the Python stack there too); when a rank dies, the error carries every rank's log.
+A rank ends with ``finish``: its results written, a barrier, the group destroyed. A rank that
+dies after every rank has written its results died in torch.distributed's teardown, not in a
+case: that is a warning carrying the logs, and the results are read as usual.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 # Generous for a loaded 2-core machine; a hang fails the test after this, never blocks it.
 WORLD_TIMEOUT_S = 420.0
@@ -48,11 +57,50 @@ def init_worker(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def write_result(out: str, rank: int, result: Any) -> None:
+def _rank_main(
+    rank: int, target: Callable[..., None], world_size: int, port: int, out: str, *args: Any
+) -> None:
+    """A spawned rank: its output into ``out/rank{rank}.log``, then ``target``."""
+    fd = os.open(Path(out) / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
+    target(rank, world_size, port, out, *args)
+
+
+def _logs(out: str, world_size: int, tail: int = 4000) -> str:
+    parts = []
+    for r in range(world_size):
+        log = Path(out) / f"rank{r}.log"
+        text = log.read_text(errors="replace") if log.exists() else "(no log)"
+        parts.append(f"--- rank {r} (last {tail} characters) ---\n{text[-tail:]}")
+    return "\n".join(parts)
+
+
+def finish(out: str, rank: int, result: Any) -> None:
+    """A rank's last step: write its results, wait for every rank, destroy the group."""
+    import torch.distributed as dist
+
     path = Path(out) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def abort_before_results(rank: int, world_size: int, port: int, out: str) -> None:
+    """A rank that dies (SIGABRT) before writing: ``run_world`` must fail with its log."""
+    print("rank about to abort", flush=True)
+    os.abort()
+
+
+def abort_after_results(rank: int, world_size: int, port: int, out: str) -> None:
+    """A rank that writes its results, then dies: ``run_world`` warns and returns them."""
+    path = Path(out) / f"rank{rank}.json"
+    path.write_text(json.dumps({"rank": rank}))
+    os.abort()
 
 
 def run_world(
@@ -69,8 +117,8 @@ def run_world(
     os.environ.update(env)
     try:
         ctx = mp.start_processes(
-            target,
-            args=(world_size, free_port(), out, *args),
+            _rank_main,
+            args=(target, world_size, free_port(), out, *args),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -80,8 +128,17 @@ def run_world(
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"a world of {world_size} ranks ran past {timeout:.0f} s; killed"
+                        f"a world of {world_size} ranks ran past {timeout:.0f} s; killed\n"
+                        + _logs(out, world_size)
                     )
+        except ProcessException as e:  # a rank raised or died: with what each rank printed
+            written = all((Path(out) / f"rank{r}.json").exists() for r in range(world_size))
+            if not written:
+                raise RuntimeError(f"{e}\n{_logs(out, world_size)}") from None
+            warnings.warn(
+                f"every rank wrote its results, then: {e}\n{_logs(out, world_size)}",
+                stacklevel=2,
+            )
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -19,7 +19,13 @@ import qkv
 import qkv.distributed as qd
 from dist_cases import CASES, run_case
 from dist_more import errors, subgroup, traffic, train
-from dist_testing import init_worker, run_world, write_result
+from dist_testing import (
+    abort_after_results,
+    abort_before_results,
+    finish,
+    init_worker,
+    run_world,
+)
 
 WORLDS = [2, 3, 4]
 LAYOUTS = ["zigzag", "contiguous"]
@@ -44,8 +50,7 @@ def _world(rank: int, W: int, port: int, out: str) -> None:
         attempt(f"{layout}/errors", errors, rank, W, layout)
         attempt(f"{layout}/trains", train, rank, W, layout)
         attempt(f"{layout}/subgroup", subgroup, rank, W, layout)
-    write_result(out, rank, results)
-    dist.destroy_process_group()
+    finish(out, rank, results)
 
 
 # A world of 4 (~25 s to start and run) is extended (make test-all): 2 and 3 ranks cover even
@@ -153,6 +158,18 @@ def test_uninitialised_group_is_a_clear_error() -> None:
         qd.attention(q, q, q)
     with pytest.raises(RuntimeError, match="init_process_group"):
         qd.shard(q)
+
+
+def test_a_rank_that_dies_is_reported_with_its_log() -> None:
+    """A world's harness: a rank killed by a signal (as gloo aborts) fails the world with what
+    the rank printed, its Python stack included; after every rank wrote its results, the same
+    death (a teardown) is a warning and the results stand."""
+    with pytest.raises(RuntimeError) as e:
+        run_world(1, abort_before_results, timeout=120)
+    assert "SIGABRT" in str(e.value) and "rank about to abort" in str(e.value)
+    assert "Fatal Python error: Aborted" in str(e.value)
+    with pytest.warns(UserWarning, match="every rank wrote its results"):
+        assert run_world(1, abort_after_results, timeout=120) == [{"rank": 0}]
 
 
 def test_import_qkv_stays_light() -> None:

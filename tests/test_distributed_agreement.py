@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import qkv
 from catalogue import LAYOUTS as MEMORY
 from dist_agreement import differing, equal, watch_wire
 from dist_cases import run_case
-from dist_testing import init_worker, run_world, write_result
+from dist_testing import finish, init_worker, run_world
 from qkv.distributed import content
 
 WORLDS = [2, 3]
@@ -46,8 +45,7 @@ def _world(rank: int, W: int, port: int, out: str) -> None:
                         f"{layout}/{name}/{memory}", run_case, rank, W, layout, name, memory=memory
                     )
                 results[f"{layout}/{name}/{memory}"] += [f"not contiguous: {b}" for b in bad]
-    write_result(out, rank, results)
-    dist.destroy_process_group()
+    finish(out, rank, results)
 
 
 # The world of 3 (uneven shards; ~15 s) is extended (make test-all); 2 ranks in the default run.
