@@ -13,8 +13,7 @@ lse: ``out * exp(lse - logaddexp(lse, sink))``, which is what an extra softmax c
 
 from __future__ import annotations
 
-import contextlib
-import importlib
+import sys
 from typing import Any, cast
 
 import torch
@@ -152,18 +151,12 @@ def _documents(kwargs: dict[str, Any], B: int, Lq: int, Lk: int) -> object | Non
 
 def _collected() -> Any:
     """What transformers' output collector is gathering in this forward (GPT-2 and others do
-    not pass ``output_attentions`` down, but the collector knows), or None."""
-    if not _COLLECTOR:  # looked up once: an import statement per layer call costs ~1 us
-        var: Any = None  # a transformers without the collector: the keyword only
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module("transformers.utils.output_capturing")
-            var = getattr(module, "_active_collector", None)
-        _COLLECTOR.append(var)
-    got = _COLLECTOR[0]
-    return None if got is None else got.get()
-
-
-_COLLECTOR: list[Any] = []
+    not pass ``output_attentions`` down, but the collector knows), or None. The collector's
+    module is looked up among the imported ones (transformers imports it with its models),
+    which dynamo can trace where it cannot trace an import."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    var: Any = getattr(module, "_active_collector", None)
+    return None if var is None else var.get()
 
 
 def _weights_requested(kwargs: dict[str, Any]) -> bool:

@@ -6,7 +6,9 @@ returns to every layer's attention function as ``attention_mask``. qkv returns a
 :class:`HFMask`: the qkv mask of that buffer (from :mod:`qkv.hf._translate`), never a dense
 ``[B, 1, Lq, Lk]`` tensor. Masks with no analytic tile rule (a model's own mask_function,
 padding with holes) are planned into a :class:`qkv.BlockMask` here, once, so the layers reuse one
-tile plan instead of evaluating the mask again in each of them.
+tile plan instead of evaluating the mask again in each of them. While ``torch.compile`` traces,
+no tile plan is made here (it would read the mask's values): the mask goes to each layer's
+:func:`qkv.attention` as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from .._core.kinds import MaskKind
 from .._core.problem import mask_kind
 from ..blockmask import block_mask
-from ._translate import Frame, translate
+from ._translate import Frame, _closure, _which, translate
 
 Tensor = torch.Tensor
 
@@ -59,13 +61,9 @@ def _needs_evaluation(k: MaskKind) -> bool:
 
 def _mentions(fn: Any, name: str) -> bool:
     """True if transformers' closure ``name`` appears anywhere in the mask_function tree."""
-    if getattr(fn, "__module__", None) == "transformers.masking_utils" and getattr(
-        fn, "__qualname__", ""
-    ).startswith(name):
+    if _which(fn) == name:
         return True
-    cells = getattr(fn, "__closure__", None) or ()
-    for c in cells:
-        v = c.cell_contents
+    for v in _closure(fn).values():
         items = v if isinstance(v, (list, tuple)) else (v,)
         if any(callable(i) and _mentions(i, name) for i in items):
             return True
@@ -110,7 +108,7 @@ def mask_function(
     padding = None if attention_mask is None else attention_mask.to(torch.bool)
     mask = translate(fn, frame, padding)
     kind = mask_kind(mask)
-    if _needs_evaluation(kind):
+    if _needs_evaluation(kind) and not torch.compiler.is_compiling():
         mask = block_mask(mask, batch_size, None, q_length, kv_length, device=device)
     docs = _mentions(fn, "packed_sequence_mask_function")
     return HFMask(mask, (batch_size, 1, q_length, kv_length), docs)

@@ -25,6 +25,11 @@ block-sparse: a window skips the key blocks it cannot see, and ``and(causal, win
 band kernel. Anything not recognised (a model's own overlay, chunked attention with per-row
 left padding, the multimodal blockwise overlay) stays a mask_mod, called with broadcast index
 tensors at absolute positions: exact, evaluated tile by tile.
+
+Under ``torch.compile`` transformers makes these closures inside the compiled function, and
+dynamo cannot read a cell of such a closure: a closure whose values are needed stays a
+mask_mod there, ``causal_mask_function`` (no closure) is still the causal band, and no value
+of a tensor decides a kind (a padding mask stays a key mask, per-row documents stay per row).
 """
 
 from __future__ import annotations
@@ -90,20 +95,32 @@ class _RowDocuments:
 
 
 def _closure(fn: Any) -> dict[str, Any]:
+    """The values ``fn`` closes over, by name; ``{}`` for a closure made inside a
+    ``torch.compile`` trace (dynamo cannot read its cells), which then stays a mask_mod."""
     code = getattr(fn, "__code__", None)
-    cells = getattr(fn, "__closure__", None) or ()
     if code is None:
+        return {}
+    try:
+        cells = fn.__closure__ or ()
+    except AttributeError:  # made in the trace: no cells to read
         return {}
     return {name: c.cell_contents for name, c in zip(code.co_freevars, cells, strict=False)}
 
 
 def _which(fn: Any) -> str | None:
     """The transformers closure ``fn`` is (``"and_masks"``, ``"causal_mask_function"``, ...),
-    or ``None`` for anything else."""
+    or ``None`` for anything else. Read from the code object's qualified name, which dynamo
+    can read where it cannot read the function's ``__qualname__`` (that one on Python 3.10,
+    whose code objects have none: there a compiled model breaks the graph here)."""
     if getattr(fn, "__module__", None) != _MODULE:
         return None
-    qual = getattr(fn, "__qualname__", "")
-    return qual.split(".<locals>.")[0]
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    qual = getattr(code, "co_qualname", None)  # Python >= 3.11
+    if qual is None:
+        qual = getattr(fn, "__qualname__", "")
+    return str(qual).split(".<locals>.")[0]
 
 
 # Sentinels inside the translation: "every position" (drops out of an and, absorbs an or).
@@ -135,18 +152,27 @@ def _one(fn: Any, f: Frame, siblings: list[Any]) -> object:
         return _band(-w, w, f)
     if which == "padding_mask_function" and isinstance(cl.get("padding_mask"), Tensor):
         return _padding(cl["padding_mask"], f)
-    if which == "packed_sequence_mask_function" and f.d == 0 and f.kv_offset == 0:
+    if (
+        which == "packed_sequence_mask_function"
+        and isinstance(cl.get("packed_sequence_mask"), Tensor)
+        and f.d == 0
+        and f.kv_offset == 0
+    ):
         return _documents(cl["packed_sequence_mask"], f)
-    if which in ("and_masks", "or_masks"):
-        mods = list(cl.get("mask_functions", ()))
+    if which in ("and_masks", "or_masks") and "mask_functions" in cl:
+        mods = list(cl["mask_functions"])
         parts = [_one(m, f, mods) for m in mods]
         return _and(parts) if which == "and_masks" else _or(parts)
-    if which == "remap_positions_for_packed_sequence" and _packed_sibling(siblings):
+    inner = cl.get("mask_function")
+    if (
+        which == "remap_positions_for_packed_sequence"
+        and callable(inner)
+        and _packed_sibling(siblings)
+    ):
         # Inside one packed document the position ids count up by one, exactly like the
         # buffer indices (that is how transformers finds the documents), so a mask that
         # depends only on kv - q is the same at either; the document sibling keeps the rows
         # apart.
-        inner = cl.get("mask_function")
         translated = _one(inner, f, [])
         if _is_band(translated):
             return translated
@@ -175,6 +201,8 @@ def _padding(pm: Tensor, f: Frame) -> object:
     if keep.shape[-1] < end:  # transformers pads a short 2-D mask with False (static caches)
         keep = torch.nn.functional.pad(keep, (0, end - keep.shape[-1]), value=False)
     keep = keep[:, f.kv_offset : end]  # [B, Lk] buffer coordinates
+    if torch.compiler.is_compiling():  # no value decides the kind in a graph: exact as it is
+        return _KeyMask(keep)
     if bool(keep.all()):
         return _ALL
     lengths = keep.sum(-1)  # [B]
@@ -190,6 +218,8 @@ def _padding(pm: Tensor, f: Frame) -> object:
 
 def _documents(ids: Tensor, f: Frame) -> object:
     ids = ids[:, : max(f.Lq, f.Lk)]
+    if ids.shape[0] > 1 and torch.compiler.is_compiling():  # as _padding: no value decides
+        return _RowDocuments(ids)
     if ids.shape[0] == 1 or bool((ids == ids[:1]).all()):
         return masks.document(ids[0].to(torch.int64))
     return _RowDocuments(ids)
