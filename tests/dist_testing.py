@@ -10,7 +10,11 @@ Each rank's stdout and stderr go to ``out/rank{r}.log`` (with faulthandler on, s
 C++ leaves the Python stack there too); when a rank dies, the error carries every rank's log.
 A rank ends with ``finish``: its results written, a barrier, the group destroyed. A rank that
 dies after every rank has written its results died in torch.distributed's teardown, not in a
-case: that is a warning carrying the logs, and the results are read as usual.
+case: that is a warning carrying the logs, and the results are read as usual. A world whose
+ranks fail before every one of them has its group (``init_worker`` marks each rank ready) failed
+in torch.distributed's setup (gloo aborts there at times, on a loaded machine: a connection
+its peer has already dropped), before any qkv code ran: it is started once more, on a new
+port, with a warning carrying the first attempt's logs.
 """
 
 from __future__ import annotations
@@ -41,8 +45,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# This rank's output folder (set by _rank_main in the spawned process).
+_OUT: list[str] = []
+
+
 def init_worker(rank: int, world_size: int, port: int) -> None:
-    """Called first in every worker: one thread, loopback only, a bounded group timeout."""
+    """Called first in every worker: one thread, loopback only, a bounded group timeout;
+    the rank is marked ready once every rank has joined the group."""
     import torch
     import torch.distributed as dist
 
@@ -55,6 +64,12 @@ def init_worker(rank: int, world_size: int, port: int) -> None:
         world_size=world_size,
         timeout=GROUP_TIMEOUT,
     )
+    dist.barrier()
+    mark_ready(rank)
+
+
+def mark_ready(rank: int) -> None:
+    (Path(_OUT[0]) / f"ready{rank}").touch()
 
 
 def _rank_main(
@@ -66,6 +81,7 @@ def _rank_main(
     os.dup2(fd, 2)
     os.close(fd)
     faulthandler.enable(all_threads=True)
+    _OUT.append(out)
     target(rank, world_size, port, out, *args)
 
 
@@ -91,22 +107,56 @@ def finish(out: str, rank: int, result: Any) -> None:
 
 
 def abort_before_results(rank: int, world_size: int, port: int, out: str) -> None:
-    """A rank that dies (SIGABRT) before writing: ``run_world`` must fail with its log."""
+    """A rank that dies (SIGABRT) after its setup, before writing: ``run_world`` must fail
+    with its log."""
+    mark_ready(rank)
     print("rank about to abort", flush=True)
     os.abort()
 
 
+def abort_in_setup_once(rank: int, world_size: int, port: int, out: str, flag: str) -> None:
+    """A rank that dies before it is ready the first time (``flag`` not yet there), and
+    writes its results the second: ``run_world`` starts the world again and returns them."""
+    if not Path(flag).exists():
+        Path(flag).touch()
+        os.abort()
+    mark_ready(rank)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"attempt": 2}))
+
+
 def abort_after_results(rank: int, world_size: int, port: int, out: str) -> None:
     """A rank that writes its results, then dies: ``run_world`` warns and returns them."""
+    mark_ready(rank)
     path = Path(out) / f"rank{rank}.json"
     path.write_text(json.dumps({"rank": rank}))
     os.abort()
+
+
+class _SetupFailed(RuntimeError):
+    """The world failed before every rank had its group."""
 
 
 def run_world(
     world_size: int, target: Callable[..., None], *args: Any, timeout: float = WORLD_TIMEOUT_S
 ) -> list[Any]:
     """Run ``target`` on ``world_size`` spawned ranks; return each rank's JSON result."""
+    try:
+        return _run_world(world_size, target, args, timeout)
+    except _SetupFailed as e:
+        warnings.warn(
+            f"a world of {world_size} ranks failed in torch.distributed's setup, before any "
+            f"rank was ready; started again: {e}",
+            stacklevel=2,
+        )
+    try:
+        return _run_world(world_size, target, args, timeout)
+    except _SetupFailed as e:
+        raise RuntimeError(f"twice in torch.distributed's setup: {e}") from None
+
+
+def _run_world(
+    world_size: int, target: Callable[..., None], args: tuple[Any, ...], timeout: float
+) -> list[Any]:
     out = tempfile.mkdtemp(prefix="qkv-dist-")
     env = {
         "MPLCONFIGDIR": tempfile.mkdtemp(prefix="qkv-mpl-"),
@@ -132,6 +182,9 @@ def run_world(
                         + _logs(out, world_size)
                     )
         except ProcessException as e:  # a rank raised or died: with what each rank printed
+            ready = all((Path(out) / f"ready{r}").exists() for r in range(world_size))
+            if not ready:
+                raise _SetupFailed(f"{e}\n{_logs(out, world_size)}") from None
             written = all((Path(out) / f"rank{r}.json").exists() for r in range(world_size))
             if not written:
                 raise RuntimeError(f"{e}\n{_logs(out, world_size)}") from None

@@ -22,6 +22,7 @@ from dist_more import errors, subgroup, traffic, train
 from dist_testing import (
     abort_after_results,
     abort_before_results,
+    abort_in_setup_once,
     finish,
     init_worker,
     run_world,
@@ -161,15 +162,23 @@ def test_uninitialised_group_is_a_clear_error() -> None:
 
 
 def test_a_rank_that_dies_is_reported_with_its_log() -> None:
-    """A world's harness: a rank killed by a signal (as gloo aborts) fails the world with what
-    the rank printed, its Python stack included; after every rank wrote its results, the same
-    death (a teardown) is a warning and the results stand."""
+    """A world's harness: a rank killed by a signal (as gloo aborts) after its setup fails the
+    world with what the rank printed, its Python stack included; after every rank wrote its
+    results, the same death (a teardown) is a warning and the results stand."""
     with pytest.raises(RuntimeError) as e:
         run_world(1, abort_before_results, timeout=120)
     assert "SIGABRT" in str(e.value) and "rank about to abort" in str(e.value)
     assert "Fatal Python error: Aborted" in str(e.value)
     with pytest.warns(UserWarning, match="every rank wrote its results"):
         assert run_world(1, abort_after_results, timeout=120) == [{"rank": 0}]
+
+
+def test_a_world_that_fails_in_its_setup_is_started_again(tmp_path: Any) -> None:
+    """A rank that dies before every rank is ready (gloo aborts there at times, before any
+    qkv code runs): the world is started again, once, with a warning."""
+    flag = str(tmp_path / "aborted once")
+    with pytest.warns(UserWarning, match="failed in torch.distributed's setup"):
+        assert run_world(1, abort_in_setup_once, flag, timeout=120) == [{"attempt": 2}]
 
 
 def test_import_qkv_stays_light() -> None:
