@@ -388,6 +388,32 @@ def test_dynamic_true_traces_and_new_parameters_give_their_own_answers(name, sha
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vmap_only", [False, True], ids=["broadcasting", "vmap"])
+def test_a_mod_made_in_the_trace_serves_every_length_under_dynamic_shapes(vmap_only):
+    """A closure made inside the compiled function has its calling convention decided while
+    dynamo traces, by probing positions: with symbolic lengths those must not be computed
+    from the length (each would guard on it, and every new length would recompile). One
+    graph serves three lengths, equal to eager."""
+    table = torch.rand(64, 64, generator=torch.Generator().manual_seed(5)) > 0.3
+    table.fill_diagonal_(True)
+
+    def f(q, k, v):
+        def near(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki < 9)
+
+        def per_element(b, h, qi, ki):
+            return table[qi][ki]  # indexing twice: works only one element at a time
+
+        return qkv.attention(q, k, v, mask=per_element if vmap_only else near)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+    g = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+    for L in (20, 33, 47):
+        q, k, v = make_qkv(Shape(1, 2, 2, L, L, 8), gen=L)
+        torch.testing.assert_close(g(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
 def test_is_symbolic_tells_dynamos_symbolic_numbers():
     """qkv tells a symbolic int or float from a constant by ``(x == x) is not True``; this
     fails if dynamo changes how it answers."""

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 
 import qkv.hf  # transformers: installed by `make test` (the hf extra)
 from hf_families import CAUSAL, FAMILIES, TEXT, build, padded_batch, rel_err
@@ -93,6 +94,28 @@ def test_compiled_training_step_matches_eager(name: str) -> None:
     for n, g in ref_grads.items():
         scale = max(float(g.abs().max()), 1e-3 * G)
         assert float((g - grads[n]).abs().max()) <= TOL * scale, n
+
+
+def test_new_lengths_share_one_dynamic_graph() -> None:
+    """A training loop's batches come in other lengths: the second length makes dynamo trace
+    with a symbolic one, and that graph serves every later length (as with ``sdpa``), equal
+    to eager: no mask's name or probe may read the length."""
+    eager, ours = build("mistral"), build("mistral")
+    eager.set_attn_implementation("eager")
+    ours.set_attn_implementation("qkv")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda i, a: ours(input_ids=i, attention_mask=a).logits, backend=counter, fullgraph=True
+    )
+    for L in (24, 30, 41):
+        g = torch.Generator().manual_seed(L)
+        ids = torch.randint(3, 128, (2, L), generator=g)
+        am = torch.ones_like(ids)
+        am[0, :5] = 0
+        with torch.no_grad():
+            got, ref = compiled(ids, am), eager(input_ids=ids, attention_mask=am).logits
+        assert rel_err(ref[am.bool()], got[am.bool()]) <= TOL, L
+    assert counter.frame_count == 2
 
 
 @pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.extended)])

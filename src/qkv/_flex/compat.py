@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._core.checks import broadcastable, callable_name, check_mask_result, check_score_result
-from .._core.tracing import assume_constant_result
+from .._core.tracing import assume_constant_result, is_symbolic
 from .traceable import refuse_under_fullgraph
 
 Tensor = torch.Tensor
@@ -187,8 +187,16 @@ def _decide(
 
 def _probe(B: int, H: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tensor, ...]:
     """Index tensors of a few real positions per dim (both ends and the middle), as qkv
-    passes them: ``b [<=4,1,1,1]``, ``h [1,<=4,1,1]``, ``q_idx [1,1,<=4,1]``, ``kv_idx``."""
-    pos = [sorted(i for i in {0, 1, n // 2, n - 1} if 0 <= i < n) for n in (B, H, Lq, Lk)]
+    passes them: ``b [<=4,1,1,1]``, ``h [1,<=4,1,1]``, ``q_idx [1,1,<=4,1]``, ``kv_idx``.
+    A size that is symbolic while dynamo traces gets positions 0 and 1 (dynamo takes such a
+    size to be at least 2): positions computed from it would guard on its value, and the
+    graph would serve that one length."""
+    pos = [
+        [0, 1]
+        if is_symbolic(n)
+        else sorted(i for i in {0, 1, n // 2, n - 1} if 0 <= i < n)
+        for n in (B, H, Lq, Lk)
+    ]
     return tuple(
         torch.tensor(p, device=device).view([-1 if d == i else 1 for d in range(4)])
         for i, p in enumerate(pos)

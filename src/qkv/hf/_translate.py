@@ -41,6 +41,7 @@ import torch
 from .. import masks
 from .._core.kinds import band, classify_mask
 from .._core.positions import MaskAt, shift_band
+from .._core.tracing import is_symbolic
 
 Tensor = torch.Tensor
 
@@ -56,6 +57,12 @@ class Frame:
         self.d = q_offset - kv_offset  # kv_abs - q_abs = (j - i) - d
 
 
+def _shape(t: Tensor) -> str:
+    """``t``'s shape for a name; a size that is symbolic while dynamo traces (a second
+    sequence length makes it so) as ``?``: a name must be a constant there."""
+    return "[" + ", ".join(["?" if is_symbolic(n) else str(n) for n in t.shape]) + "]"
+
+
 class _KeyMask:
     """``keep[b, kv_idx]``: key padding that is not a prefix of each row (left padding)."""
 
@@ -69,7 +76,7 @@ class _KeyMask:
         return keep[b, kv_idx]  # [B|1, 1, 1, Lk]
 
     def __repr__(self) -> str:
-        return f"key padding mask {list(self.keep.shape)}"
+        return f"key padding mask {_shape(self.keep)}"
 
     @property
     def __name__(self) -> str:
@@ -87,7 +94,7 @@ class _RowDocuments:
         return ids[b, q_idx] == ids[b, kv_idx]  # [B, 1, Lq, Lk]
 
     def __repr__(self) -> str:
-        return f"packed documents per row {list(self.ids.shape)}"
+        return f"packed documents per row {_shape(self.ids)}"
 
     @property
     def __name__(self) -> str:
