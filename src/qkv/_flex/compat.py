@@ -192,9 +192,7 @@ def _probe(B: int, H: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tens
     size to be at least 2): positions computed from it would guard on its value, and the
     graph would serve that one length."""
     pos = [
-        [0, 1]
-        if is_symbolic(n)
-        else sorted(i for i in {0, 1, n // 2, n - 1} if 0 <= i < n)
+        [0, 1] if is_symbolic(n) else sorted(i for i in {0, 1, n // 2, n - 1} if 0 <= i < n)
         for n in (B, H, Lq, Lk)
     ]
     return tuple(
