@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,6 +210,26 @@ def test_backward_runs_in_the_kernel_with_gradients_through_lse(monkeypatch, hea
     for f, e, p in zip(fast, exact, plain, strict=True):
         err, plain_err = (f.double() - e).abs().max(), (p.double() - e).abs().max()
         assert err <= 3 * plain_err + 1e-5, (float(err), float(plain_err))
+
+
+def test_the_build_stamp_reads_the_sources_not_where_the_checkout_lies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second clone of the same sources (CI's fresh clone, a worktree) loads the library
+    the first one built: the stamp hashes the headers' contents, not their folder; a changed
+    header changes it."""
+    from qkv import native
+
+    lib = _native.LIBRARY
+    before = lib.stamp()
+    other = tmp_path / "elsewhere" / "include"
+    shutil.copytree(native._INCLUDE, other)
+    monkeypatch.setattr(native, "_INCLUDE", other)
+    assert any(f == f"-I{other}" for f in lib.flags())  # the compiler still gets the path
+    assert lib.stamp() == before
+    header = next(iter(sorted(other.glob("*.h"))))
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert lib.stamp() != before
 
 
 @needs_compiler

@@ -95,17 +95,20 @@ class NativeLibrary:
 
     def stamp(self) -> str:
         """What the library was built from: the sources and qkv's shared headers, the flags,
-        torch and Python."""
+        torch and Python. Not where the checkout lies (the ``-I`` flag's path): two clones of
+        the same sources share one library rather than building it once each."""
         h = hashlib.sha256()
         for src in (*self.sources, *sorted(_INCLUDE.glob("*.h"))):
             h.update(src.read_bytes())
-        h.update(repr((self.flags(), torch.__version__, sys.version_info[:2])).encode())
+        flags = [f for f in self.flags() if not f.startswith("-I")]
+        h.update(repr((flags, torch.__version__, sys.version_info[:2])).encode())
         return h.hexdigest()[:20]
 
     def cache_dir(self) -> Path:
         """Per torch version and CPU capability, then per build stamp, so that two checkouts
-        or versions of qkv sharing one cache each keep their own library instead of
-        rebuilding over each other's (seen with several worktrees here)."""
+        or versions of qkv with other sources, sharing one cache, each keep their own library
+        instead of rebuilding over each other's (seen with several worktrees here), and
+        checkouts of the same sources share one."""
         root = os.environ.get("QKV_NATIVE_DIR") or Path.home() / ".cache" / "qkv" / "native"
         tag = f"torch-{torch.__version__.replace('+', '_')}-{capability().lower()}"
         return Path(root) / tag / self.stamp()
