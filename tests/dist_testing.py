@@ -22,6 +22,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import resource
 import socket
 import tempfile
 import time
@@ -106,12 +107,18 @@ def finish(out: str, rank: int, result: Any) -> None:
     dist.destroy_process_group()
 
 
+def _abort() -> None:
+    """SIGABRT, as gloo's aborts, without a core file."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
+
+
 def abort_before_results(rank: int, world_size: int, port: int, out: str) -> None:
     """A rank that dies (SIGABRT) after its setup, before writing: ``run_world`` must fail
     with its log."""
     mark_ready(rank)
     print("rank about to abort", flush=True)
-    os.abort()
+    _abort()
 
 
 def abort_in_setup_once(rank: int, world_size: int, port: int, out: str, flag: str) -> None:
@@ -119,7 +126,7 @@ def abort_in_setup_once(rank: int, world_size: int, port: int, out: str, flag: s
     writes its results the second: ``run_world`` starts the world again and returns them."""
     if not Path(flag).exists():
         Path(flag).touch()
-        os.abort()
+        _abort()
     mark_ready(rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"attempt": 2}))
 
@@ -129,7 +136,7 @@ def abort_after_results(rank: int, world_size: int, port: int, out: str) -> None
     mark_ready(rank)
     path = Path(out) / f"rank{rank}.json"
     path.write_text(json.dumps({"rank": rank}))
-    os.abort()
+    _abort()
 
 
 class _SetupFailed(RuntimeError):
