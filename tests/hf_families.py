@@ -245,3 +245,13 @@ def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
     """max |ref - got| / max |ref|."""
     ref, got = ref.detach().double(), got.detach().double()
     return float((ref - got).abs().max() / ref.abs().max().clamp(min=1e-30))
+
+
+def pack(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``(sequences, input_ids [1, total], position_ids [1, total])``: random sequences of
+    these lengths packed in one row, positions restarting at each."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
+    ids = torch.cat(seqs)[None]  # [1, total]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # restarts per sequence
+    return seqs, ids, pos

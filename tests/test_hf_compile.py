@@ -20,7 +20,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import qkv.hf  # transformers: installed by `make test` (the hf extra)
-from hf_families import CAUSAL, FAMILIES, TEXT, build, padded_batch, rel_err
+from hf_families import CAUSAL, TEXT, build, pack, padded_batch, rel_err
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-inductor-"))
 qkv.hf.register()
@@ -33,19 +33,6 @@ def _fresh_dynamo() -> Any:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _labels(ids: torch.Tensor, am: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Labels on real tokens; a causal row's last pad before its first real token left out
-    (its row sees no key: eager and qkv differ there by design, README)."""
-    labels = ids.clone()
-    labels[am == 0] = -100
-    if causal:
-        first = am.argmax(-1)
-        for b in range(ids.shape[0]):
-            if first[b] > 0:
-                labels[b, first[b]] = -100
-    return labels
 
 
 def _step(model: Any, fn: Any, ids: torch.Tensor, am: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -72,7 +59,10 @@ def test_compiled_training_step_matches_eager(name: str) -> None:
     eager.set_attn_implementation("eager")
     ours.set_attn_implementation("qkv")
     ids, am = padded_batch()
-    labels = _labels(ids, am, FAMILIES[name].kind == "causal")
+    # the loss at each position's own logits (not shifted): a pad's row, which sees no key
+    # under a causal mask (eager and qkv differ there by design, README), is left out with
+    # every pad
+    labels = ids.masked_fill(am == 0, -100)
 
     def run(model: Any) -> Any:
         def fn(ids: torch.Tensor, am: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -125,11 +115,7 @@ def test_compiled_packed_batch_equals_sequences_one_by_one(name: str) -> None:
     assert name in CAUSAL
     ours = build(name)
     ours.set_attn_implementation("qkv")
-    lengths = [7, 13, 6]
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
-    ids = torch.cat(seqs)[None]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    seqs, ids, pos = pack([7, 13, 6])
     compiled = torch.compile(
         lambda i, p: ours(input_ids=i, position_ids=p, use_cache=False).logits,
         backend="aot_eager",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qkv.hf  # transformers: installed by `make test` (the hf extra)
-from hf_families import CAUSAL, FAMILIES, TEXT, WINDOW, build, padded_batch, rel_err
+from hf_families import CAUSAL, FAMILIES, TEXT, WINDOW, build, pack, padded_batch, rel_err
 
 qkv.hf.register()
 
@@ -107,20 +107,12 @@ def test_greedy_generation_matches_eager(name: str, cache: str) -> None:
     assert torch.equal(ref, got)
 
 
-def _packed(lengths: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(3, 128, (n,), generator=g) for n in lengths]
-    ids = torch.cat(seqs)[None]  # [1, total]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # restarts per sequence
-    return seqs, ids, pos
-
-
 @pytest.mark.parametrize("name", CAUSAL)
 @pytest.mark.parametrize("cu_seq_lens", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_packed_batch_equals_sequences_one_by_one(name: str, cu_seq_lens: bool) -> None:
     _, ours = _models(name)
     lengths = [7, 13, 6]  # 13 > the window
-    seqs, ids, pos = _packed(lengths)
+    seqs, ids, pos = pack(lengths)
     kw: dict = {"position_ids": pos, "use_cache": False}
     if cu_seq_lens:  # what DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -137,7 +129,7 @@ def test_packed_encoder_batch_with_cu_seq_lens(name: str) -> None:
     masks); the ``cu_seq_lens_*`` keywords keep the sequences apart."""
     _, ours = _models(name)
     lengths = [9, 12, 5]
-    seqs, ids, pos = _packed(lengths)
+    seqs, ids, pos = pack(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     kw: dict = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
     if name == "bert":
