@@ -1,10 +1,9 @@
-"""The contract at its edges, on every backend: any memory layout, NaN in the input, a zero or
-negative scale with a causal mask, logits large enough to strain a recomputing backward, and
-the lse's dtype. Each case here once gave a silent wrong answer somewhere (the layouts on the
-block-sparse engine's fused kernel, NaN rows on the compiled kernels, ``is_causal`` with
-``scale <= 0``, SDPA's backward at logits of 1e4); the oracle matrix (test_backends.py) runs
-the layouts across its whole matrix too.
-"""
+"""The contract at its edges, on every backend: any memory layout, a zero or negative scale
+with a causal mask, logits large enough to strain a recomputing backward, and the lse's dtype.
+Each case here once gave a silent wrong answer somewhere (the layouts on the block-sparse
+engine's fused kernel, ``is_causal`` with ``scale <= 0``, SDPA's backward at logits of 1e4);
+the oracle matrix (test_backends.py) runs the layouts across its whole matrix too. NaN in the
+input has its own file (test_nan.py)."""
 
 from __future__ import annotations
 
@@ -99,88 +98,6 @@ def test_layouts_on_torch_kernels(layout: str, torch_kernels: None):
     assert _check("blocksparse", q, k, v, mask=qkv.sliding_window(20), grad_layout=layout)
 
 
-# ------------------------------------------------------------------------------ NaN
-
-NAN_ROW = 5
-
-
-def _with_nan(t: torch.Tensor, row: int) -> torch.Tensor:
-    t = t.clone()
-    t[:, 1, row, 3] = float("nan")
-    return t
-
-
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_nan_query_row_gives_a_nan_row(backend: str, mask: str):
-    """The formula gives NaN in the row of a NaN query (output and lse) and nowhere else; no
-    backend may turn it into the zeros of a fully masked row."""
-    shape = DECODE_ROWS if backend == "decode" else SHAPE.replace(Lq=40, Lk=40)
-    q, k, v = make_qkv(shape, gen=1)
-    q = _with_nan(q, NAN_ROW).requires_grad_()
-    m = MASKS[mask](shape.Lk)
-    lse_ok = backend != "sdpa"
-    if _refusal(q, k, v, backend, mask=m, return_lse=lse_ok) is not None:
-        pytest.skip(f"{backend} does not take this problem")
-    res = qkv.attention(q, k, v, mask=m, backend=backend, return_lse=lse_ok)
-    out, lse = res if lse_ok else (res, None)
-    assert torch.isnan(out[:, 1, NAN_ROW]).all(), f"{backend}: the NaN row came out as numbers"
-    others = torch.ones(out.shape[:3], dtype=torch.bool)
-    others[:, 1, NAN_ROW] = False
-    assert not torch.isnan(out[others]).any(), f"{backend}: NaN spread to other query rows"
-    if lse is not None:
-        assert torch.isnan(lse[:, 1, NAN_ROW]).all(), f"{backend}: lse of the NaN row is {lse}"
-    if backend != "decode":
-        out.sum().backward()
-        assert torch.isnan(q.grad[:, 1, NAN_ROW]).all(), "the NaN did not reach dq"
-
-
-@pytest.mark.parametrize("where", ["k", "v"])
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_nan_key_or_value_reaches_every_row_that_sees_it(backend: str, mask: str, where: str):
-    shape = DECODE_ROWS if backend == "decode" else SHAPE.replace(Lq=40, Lk=40)
-    q, k, v = make_qkv(shape, gen=2)
-    j = 3  # every row from 3 on sees key 3 (causal), rows 3..12 under the window of 9
-    if where == "k":
-        k = _with_nan(k, j)
-    else:
-        v = _with_nan(v, j)
-    m = MASKS[mask](shape.Lk)
-    if _refusal(q, k, v, backend, mask=m) is not None:
-        pytest.skip(f"{backend} does not take this problem")
-    out = qkv.attention(q, k, v, mask=m, backend=backend)
-    _, w = qkv.reference.attention(q.double(), k.nan_to_num().double(), v.double(), mask=m)
-    g = shape.Hq // shape.Hkv
-    sees = w[:, g : 2 * g, :, j] > 0  # [B, g, Lq]: the query heads of kv head 1 that see j
-    assert sees.any()
-    # a NaN key makes the row's scores NaN; a NaN value element, that column of the output
-    got = out[:, g : 2 * g][sees] if where == "k" else out[:, g : 2 * g][sees][:, 3]
-    assert torch.isnan(got).all(), f"{backend}: a NaN vanished"
-
-
-def test_inspect_weights_keep_a_nan_row():
-    q, k, v = make_qkv(SHAPE.replace(Lq=20, Lk=30), gen=4)
-    q = _with_nan(q, NAN_ROW)
-    _, lse = qkv.attention(q, k, v, return_lse=True)
-    w = qkv.inspect.weights(q, k, lse=lse)
-    assert torch.isnan(w[:, 1, NAN_ROW]).all()
-    rows = w.sum(-1)
-    rows[:, 1, NAN_ROW] = 1.0
-    assert torch.allclose(rows, torch.ones_like(rows), atol=1e-5)
-
-
-def test_the_reference_keeps_nan_apart_from_fully_masked_rows():
-    q, k, v = make_qkv(SHAPE.replace(Lq=6, Lk=6), gen=5)
-    q = _with_nan(q, 2)
-    mask = torch.ones(6, 6, dtype=torch.bool)
-    mask[4] = False  # row 4 sees nothing: 0 and -inf, as the contract says
-    p = qkv._core.problem.validate(q, k, v, mask=mask)
-    out, lse, _ = qkv.reference.forward(p, dropout_p=0.0)
-    assert torch.isnan(out[:, 1, 2]).all() and torch.isnan(lse[:, 1, 2]).all()
-    assert (out[:, :, 4] == 0).all() and torch.isneginf(lse[:, :, 4]).all()
-
-
 # ---------------------------------------------------------------------- scale <= 0
 
 
@@ -243,15 +160,3 @@ def test_lse_is_float32_or_float64_for_float64_inputs(backend: str, dtype: torch
         pytest.skip(f"{backend} does not take {dtype}")
     _, lse = qkv.attention(q, k, v, mask=qkv.causal, return_lse=True, backend=backend)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-
-
-def test_inspect_stats_keep_a_nan_row():
-    q, k, v = make_qkv(SHAPE.replace(Lq=20, Lk=30), gen=11)
-    q = _with_nan(q, NAN_ROW)
-    _, lse = qkv.attention(q, k, v, return_lse=True)
-    st = qkv.inspect.stats(q, k, lse=lse, top_k=3)
-    assert torch.isnan(st.entropy[:, 1, NAN_ROW]).all()
-    assert torch.isnan(st.top_weights[:, 1, NAN_ROW]).all()
-    fine = torch.ones(st.entropy.shape, dtype=torch.bool)
-    fine[:, 1, NAN_ROW] = False
-    assert torch.isfinite(st.entropy[fine]).all() and (st.top_keys[fine] >= 0).all()

@@ -33,8 +33,11 @@ def attention(
         out = scores.softmax(-1) @ v                      # [B, Hq, Lq, Dv]
 
     with fully masked rows giving 0 instead of NaN, any finite ``scale`` (zero and negative
-    too), NaN inputs reaching every row that attends to them, and any memory layout of
-    ``q``, ``k``, ``v``.
+    too), NaN inputs reaching every row that attends to them (output, lse and gradients, on
+    every backend and CPU ISA), and any memory layout of ``q``, ``k``, ``v``. A NaN key or
+    value may also reach rows that mask it out where a kernel multiplies the hidden weight 0
+    by it in a shared tile (``0 * nan`` is NaN, as in the formula's dense ``probs @ v``); a
+    NaN query row never spreads to other rows.
 
     Args:
         q: queries ``[B, Hq, Lq, D]``; unbatched ``[Hq, Lq, D]`` and ``[Lq, D]`` also work and

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._core.problem import Problem
+from .._core.tracing import is_symbolic
 
 Tensor = torch.Tensor
 # A route as a function of the tensors: a Kernel always computes; a Runner may answer
@@ -111,6 +112,39 @@ def unit_last_stride(t: Tensor) -> Tensor:
     if t.shape[-1] <= 1 or t.stride(-1) == 1:
         return t
     return t.contiguous()
+
+
+# torch's fused CPU attention kernel (aten._scaled_dot_product_flash_attention_for_cpu, which
+# F.scaled_dot_product_attention runs on the CPU; torch 2.13) takes the maximum of a row's
+# scores over a key span shorter than one vector with scalar code that skips NaN: a row whose
+# scores are all NaN (a NaN query; a lone NaN key) reads as a row with no visible key and
+# comes out as zeros. One vector is 16 floats on AVX-512, 8 on AVX2 and the default build, so
+# a NaN query row over 13 keys vanished on AVX-512 only. With an attention mask the kernel
+# reduces with vector code that keeps NaN: no case dropped one over Lq 1-33 x Lk 1-33 and 520,
+# float32/bfloat16/float64, causal or not, hidden keys before or around the NaN, on AVX-512,
+# AVX2 and the default build (tests/test_nan.py holds the kernel to both halves of this).
+FUSED_NAN_SPAN = 16
+
+
+def fused_cpu_mask(
+    q: Tensor, lq: int, lk: int, mask: Tensor | None, causal: bool
+) -> tuple[Tensor | None, bool]:
+    """The ``(attn_mask, is_causal)`` to give torch's fused CPU kernel for ``lq`` query rows
+    over ``lk`` keys: as given, except that a call without a mask over fewer than
+    :data:`FUSED_NAN_SPAN` keys on the CPU gets an additive mask of zeros, ``[1, lk]``
+    (broadcast over the rows), or with ``causal`` ``[lq, lk]`` with ``-inf`` above the diagonal
+    (aligned top-left, as ``is_causal`` is), so that a NaN reaches the rows that see it. It
+    costs 7-10 us a call over 8 keys (F.scaled_dot_product_attention's 35 us: RESULTS.md).
+    A symbolic ``lk`` (torch.compile with dynamic shapes) always gets the mask: asking whether
+    it is under 16 would guard on it and compile again when a growing KV cache passes 16."""
+    if mask is not None or q.device.type != "cpu":
+        return mask, causal
+    if not is_symbolic(lk) and lk >= FUSED_NAN_SPAN:
+        return mask, causal
+    if not causal:
+        return torch.zeros(1, lk, dtype=q.dtype, device=q.device), False  # [1, Lk]
+    m = torch.full((lq, lk), float("-inf"), dtype=q.dtype, device=q.device)
+    return m.triu(1), False  # [Lq, Lk]
 
 
 # The largest extra memory (bytes) a call may need beyond its inputs: a route over it is

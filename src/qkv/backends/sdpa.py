@@ -21,6 +21,7 @@ from .base import (
     Kernel,
     Route,
     Runner,
+    fused_cpu_mask,
     imprecise_backward,
     logit_bound,
     score_bytes,
@@ -118,14 +119,11 @@ class SdpaBackend(Backend):
             attn_mask = bias
         if _folds_groups(p):
             return _folded(p)(q, k, v)
-        kwargs = {}
-        if p.groups > 1:
-            if _NATIVE_GQA:
-                kwargs["enable_gqa"] = True
-            else:
-                k = k.repeat_interleave(p.groups, dim=1)  # [B, Hq, Lk, D]
-                v = v.repeat_interleave(p.groups, dim=1)  # [B, Hq, Lk, Dv]
-        out = F.scaled_dot_product_attention(
+        gqa = p.groups > 1 and _NATIVE_GQA
+        if p.groups > 1 and not _NATIVE_GQA:
+            k = k.repeat_interleave(p.groups, dim=1)  # [B, Hq, Lk, D]
+            v = v.repeat_interleave(p.groups, dim=1)  # [B, Hq, Lk, Dv]
+        out = _sdpa(
             q,
             k,
             v,
@@ -133,7 +131,7 @@ class SdpaBackend(Backend):
             dropout_p=p.dropout_p,
             is_causal=is_causal,
             scale=p.scale,
-            **kwargs,
+            enable_gqa=gqa,
         )  # [B, Hq, Lq, Dv]
         return out, None
 
@@ -154,12 +152,34 @@ class SdpaBackend(Backend):
         # is not this runner's: the planner keeps plans per answer of that check)
 
         def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None] | None:
-            out = F.scaled_dot_product_attention(
+            out = _sdpa(
                 q, k, v, attn_mask=attn, is_causal=causal, scale=scale, enable_gqa=gqa
             )  # [B, Hq, Lq, Dv]
             return out, None
 
         return run
+
+
+def _sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` with a NaN kept where torch's fused CPU kernel would
+    drop it (a mask-free call over fewer than 16 keys: see ``fused_cpu_mask``)."""
+    attn_mask, is_causal = fused_cpu_mask(q, q.shape[-2], k.shape[-2], attn_mask, is_causal)
+    if enable_gqa:  # (torch before 2.5 has no such argument; qkv then repeats k and v)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True
+        )  # [..., Lq, Dv]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale
+    )  # [..., Lq, Dv]
 
 
 def _folded(p: Problem) -> Kernel:
@@ -170,7 +190,7 @@ def _folded(p: Problem) -> Kernel:
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
         qf = q.reshape(B, Hkv, g, D)  # [B, Hkv, g, D]: a view of [B, Hq, 1, D]
-        of = F.scaled_dot_product_attention(qf, k, v, scale=scale)  # [B, Hkv, g, Dv]
+        of = _sdpa(qf, k, v, scale=scale)  # [B, Hkv, g, Dv]
         return of.reshape(B, Hq, 1, Dv), None  # [B, Hq, 1, Dv]
 
     return run

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..base import unit_last_stride
-from .job import BandGroup, Job, Piece
+from ..base import fused_cpu_mask, unit_last_stride
+from .job import BandGroup, Job, Piece, Segment
 
 Tensor = torch.Tensor
 
@@ -82,7 +82,8 @@ def fused_piece(job: Job, pc: Piece, q: Tensor, k: Tensor, v: Tensor) -> tuple[T
     qb = q[:, :, pc.q0 : pc.q1]  # [B, Hq, rows, Dm]
     kb, vb = pc.keys(k), pc.keys(v)  # [B, Hkv, span, Dm]
     fm = float_mask(job, pc, job.piece_mask(pc, q.device), q.dtype)
-    out, lse = _flash_cpu(qb, kb, vb, 0.0, False, attn_mask=fm, scale=p.scale)
+    am, _ = fused_cpu_mask(q, pc.q1 - pc.q0, pc.span, fm, False)
+    out, lse = _flash_cpu(qb, kb, vb, 0.0, False, attn_mask=am, scale=p.scale)
     dead = dead_rows(fm)
     if dead is not None and bool(dead.any()):
         # The kernel reports lse 0 for a row with no visible key; the contract says -inf.
@@ -200,11 +201,21 @@ def group_forward(
     qg = strided_blocks(q, g.i0 * g.b, g.n, g.b, g.b)  # [B*H, n, b, Dm]
     kg = strided_blocks(k, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
     vg = strided_blocks(v, (g.i0 + g.c) * g.b, g.n, span, g.b)  # [B*H, n, span, Dm]
-    o, l_ = _flash_cpu(qg, kg, vg, 0.0, False, attn_mask=fmask, scale=p.scale)
+    am, _ = fused_cpu_mask(q, g.b, span, fmask, False)
+    o, l_ = _flash_cpu(qg, kg, vg, 0.0, False, attn_mask=am, scale=p.scale)
     if dead is not None:
         l_ = l_.masked_fill(dead.view(1, 1, g.b).expand_as(l_), float("-inf"))
     strided_blocks(out, g.i0 * g.b, g.n, g.b, g.b).copy_(o[..., : out.shape[-1]])
     strided_blocks(lse.unsqueeze(-1), g.i0 * g.b, g.n, g.b, g.b).copy_(l_.unsqueeze(-1))
+
+
+def _segment(q: Tensor, k: Tensor, v: Tensor, seg: Segment, scale: float) -> tuple[Tensor, Tensor]:
+    """One mask-free segment (rows ``q0:q1`` against keys ``k0:k1``, causal or not) with the
+    fused kernel: ``out [B, Hq, rows, Dm]``, ``lse [B, Hq, rows]``."""
+    q0, q1, k0, k1, causal = seg
+    am, causal = fused_cpu_mask(q, q1 - q0, k1 - k0, None, causal)
+    qs, ks, vs = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]  # [B, H, rows|keys, Dm]
+    return _flash_cpu(qs, ks, vs, 0.0, causal, attn_mask=am, scale=scale)
 
 
 def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -221,7 +232,7 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         dm = max(p.D, p.Dv)
         q, k, v = (unit_last_stride(pad_last(t, dm)) for t in (q, k, v))
     if len(job.segments) == 1 and job.segments[0][:4] == (0, Lq, 0, p.Lk):
-        out, lse = _flash_cpu(q, k, v, 0.0, job.segments[0][4], scale=p.scale)
+        out, lse = _segment(q, k, v, job.segments[0], p.scale)
         return out[..., :Dv], lse.double()
     rows, groups = job.fwd.rows, job.fwd.groups
     # Rows that nothing writes see no key: output 0 (filled below), lse -inf.
@@ -229,10 +240,9 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float64, device=q.device)
     written = torch.zeros(Lq, dtype=torch.bool)
     acc: tuple[Tensor, Tensor] | None = None
-    for i, (q0, q1, k0, k1, causal) in enumerate(job.segments):
-        o, l_ = _flash_cpu(
-            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, scale=p.scale
-        )
+    for i, seg in enumerate(job.segments):
+        q0, q1 = seg[:2]
+        o, l_ = _segment(q, k, v, seg, p.scale)
         nxt = job.segments[i + 1] if i + 1 < len(job.segments) else None
         if acc is not None or (nxt is not None and nxt[:2] == (q0, q1)):
             # Several segments over these rows: merge them in the compute dtype.
