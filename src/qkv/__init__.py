@@ -16,6 +16,8 @@ from .modules import MultiHeadAttention
 from .planner import Plan, plan, set_dense_limit
 from .rope import RotaryEmbedding
 from .scores import alibi, alibi_slopes, relative_bias, softcap
+from .sdpa_override import override_sdpa
+from .torch_sdpa import scaled_dot_product_attention
 
 if TYPE_CHECKING:
     from . import models
@@ -54,11 +56,13 @@ __all__ = [
     "inspect",
     "models",
     "or_masks",
+    "override_sdpa",
     "padding",
     "plan",
     "prefix_lm",
     "reference",
     "relative_bias",
+    "scaled_dot_product_attention",
     "set_dense_limit",
     "sliding_window",
     "softcap",
