@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,30 +31,38 @@ Tensor = torch.Tensor
 MIN_POSITIONS = 1 << 16
 
 _CACHE_SIZE = 32
-# id(mask) -> (weak reference, version, what it was recognised as)
-_cache: dict[int, tuple[weakref.ref[Tensor], int, Any]] = {}
+# (id(attn_mask), how it was used) -> (weak reference, version, what it was recognised as)
+_cache: dict[tuple[int, tuple[Any, ...]], tuple[weakref.ref[Tensor], int, Any]] = {}
 _lock = threading.Lock()
 
 
-def recognise(mask: Any, bias: Tensor | None, batch: int, scores: int) -> tuple[Any, Tensor | None]:
+def recognise(
+    mask: Any, bias: Tensor | None, batch: int, scores: int, source: Tensor, causal_too: bool
+) -> tuple[Any, Tensor | None]:
     """``(mask, bias)`` as :func:`qkv.attention` should get them: a recognised mask as a
     built-in mask_mod (a float bias of only 0 and -inf as a mask), anything else unchanged.
 
     ``mask`` is ``None``, a mask_mod, or a bool tensor ``[B or 1, H or 1, Lq or 1, Lk or 1]``;
     ``bias`` a float tensor of that shape or ``None``; ``batch`` is B and ``scores`` is
-    ``Lq * Lk``, the positions a dense kernel computes per head.
+    ``Lq * Lk``, the positions a dense kernel computes per head. ``source`` is the caller's
+    ``attn_mask`` (the answer is kept per source tensor, its version and how it was used:
+    ``causal_too`` when ``is_causal`` was given beside it).
     """
     if torch.compiler.is_compiling() or scores < MIN_POSITIONS:
         return mask, bias
+    read: Callable[[Tensor, int], Any]
     if bias is not None:
         if mask is not None or bias.requires_grad:
             return mask, bias
-        as_mask = _cached(bias, batch, _from_bias)
-        return (mask, bias) if as_mask is _UNKNOWN else (as_mask, None)
-    if not isinstance(mask, Tensor):
+        t, read = bias, _from_bias
+    elif isinstance(mask, Tensor):
+        t, read = mask, _from_bool
+    else:
         return mask, bias
-    got = _cached(mask, batch, _from_bool)
-    return (mask, None) if got is _UNKNOWN else (got, None)
+    got = _cached(source, (batch, tuple(t.shape), causal_too), lambda: read(t, batch))
+    if got is _UNKNOWN:
+        return mask, bias
+    return got, None
 
 
 class _Unknown:
@@ -63,20 +72,20 @@ class _Unknown:
 _UNKNOWN = _Unknown()
 
 
-def _cached(t: Tensor, batch: int, read: Any) -> Any:
+def _cached(source: Tensor, how: tuple[Any, ...], read: Any) -> Any:
     # An inference tensor has no version counter to tell an in-place edit: read every time.
-    if t.is_inference():
-        return read(t, batch)
-    key = id(t)
+    if source.is_inference():
+        return read()
+    key = (id(source), how)
     with _lock:
         hit = _cache.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2][0] == batch:
-        return hit[2][1]
-    got = read(t, batch)
+    if hit is not None and hit[0]() is source and hit[1] == source._version:
+        return hit[2]
+    got = read()
     with _lock:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))  # the oldest entry
-        _cache[key] = (weakref.ref(t), t._version, (batch, got))
+        _cache[key] = (weakref.ref(source), source._version, got)
     return got
 
 
@@ -100,32 +109,39 @@ def _from_bool(m: Tensor, batch: int) -> Any:
     return _UNKNOWN
 
 
+def _runs(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's first True key and its count of True keys (0 and 0 for a row of none): two
+    passes over bytes (a bool tensor viewed as uint8 is free)."""
+    u = rows.contiguous().view(torch.uint8)
+    return u.argmax(-1), u.sum(-1, dtype=torch.int64)
+
+
 def _band(m: Tensor) -> Any:
-    """``m [Lq, Lk]`` equal to ``kv - q`` within ``[lo, hi]`` with ``lo <= 0 <= hi``: all True
-    (no mask), causal, or a sliding window."""
+    """``m [Lq, Lk]`` equal to ``lo <= kv - q <= hi`` with ``lo <= 0 <= hi``: all True (no
+    mask), causal, or a sliding window. Reads each row's run of True keys, derives the one band
+    they could be, and compares the mask with it (one more pass)."""
     lq, lk = m.shape
-    if bool(m.all()):
-        return None
-    diag = (
-        torch.arange(lk, device=m.device) - torch.arange(lq, device=m.device)[:, None]
-    )  # [Lq, Lk]
-    big = lq + lk
-    lo = int(diag.masked_fill(~m, big).min())
-    hi = int(diag.masked_fill(~m, -big).max())
+    first, count = _runs(m)
+    if not bool(count.gt(0).all()):
+        return _UNKNOWN  # a row with no key: not a band around the diagonal
+    rows = torch.arange(lq, device=m.device)
+    lo = int((first - rows).min())
+    hi = int((first + count - 1 - rows).max())
     if not lo <= 0 <= hi:
-        return _UNKNOWN  # empty, or a band off the main diagonal: sliding_window cannot say it
-    if not torch.equal((diag >= lo) & (diag <= hi), m):
-        return _UNKNOWN
-    if hi == 0 and lo <= 1 - lq:
-        return causal  # every key up to the query: top-left causal
-    return sliding_window(-lo, hi)
+        return _UNKNOWN  # off the main diagonal: sliding_window cannot say it
+    if lo <= 1 - lq and hi >= lk - 1:
+        want = None  # every key: no mask, if m is all True
+        band = torch.ones(lq, lk, dtype=torch.bool, device=m.device)
+    else:
+        band = torch.ones(lq, lk, dtype=torch.bool, device=m.device).tril(hi).triu(lo)
+        want = causal if hi == 0 and lo <= 1 - lq else sliding_window(-lo, hi)
+    return want if torch.equal(band, m) else _UNKNOWN
 
 
 def _key_range(rows: Tensor, batch: int) -> Any:
     """``rows [B', Lk]`` each one run of True keys: :func:`qkv.padding` (left padding too)."""
     lk = rows.shape[-1]
-    lengths = rows.sum(-1)  # [B']
-    start = rows.to(torch.uint8).argmax(-1)  # [B'] the first True (0 for a row of none)
+    start, lengths = _runs(rows)  # [B'], [B']
     pos = torch.arange(lk, device=rows.device)  # [Lk]
     want = (pos >= start[:, None]) & (pos < (start + lengths)[:, None])  # [B', Lk]
     if not torch.equal(want, rows):

@@ -225,8 +225,10 @@ def _prepare(
     if is_causal:
         grad_mask = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
         mask = _with_causal(mask, bias, query, key, value, dropout_p, enable_gqa, grad_mask, lq, lk)
-    if isinstance(mask, Tensor) or bias is not None:
-        mask, bias = _sdpa_masks.recognise(mask, bias, q4.shape[0], lq * lk)
+    if attn_mask is not None and (isinstance(mask, Tensor) or bias is not None):
+        mask, bias = _sdpa_masks.recognise(
+            mask, bias, q4.shape[0], lq * lk, attn_mask, bool(is_causal)
+        )
     return _Call(q4, k4, v4, mask, bias, out_shape)
 
 
