@@ -1,5 +1,6 @@
 """``qkv transcribe``: speech to text with Whisper on qkv (tiny.en by default); with
-``--words``, one line per word with its start and end times, read from the cross-attention."""
+``--words``, one line per word with its start and end times, read from the cross-attention;
+``--compute-type int8`` for int8 linear layers (faster-whisper's ``compute_type``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=None, metavar="N", help="torch threads (default: torch's)"
     )
+    p.add_argument(
+        "--compute-type",
+        default="float32",
+        choices=("float32", "int8", "int8_float32"),
+        help="float32 (default) or int8: linear weights quantised at load, an int8 matmul "
+        "(faster-whisper's compute_type)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -37,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     samples = read_wav(args.file)  # a bad file is refused before the model loads
-    model = qkv.models.load(args.model)
+    model = qkv.models.load(args.model, compute_type=args.compute_type)
     if not isinstance(model, SpeechRecognizer):
         raise ValueError(
             f"--model {args.model!r} is a {type(model).__name__}, not a speech model; give "

@@ -96,7 +96,11 @@ def _check_runtime_deps() -> None:
 
 @overload
 def load(
-    path: None = None, *, dtype: torch.dtype = ..., device: torch.device | str | None = ...
+    path: None = None,
+    *,
+    dtype: torch.dtype = ...,
+    device: torch.device | str | None = ...,
+    compute_type: str = ...,
 ) -> TextEncoder: ...
 @overload
 def load(
@@ -104,6 +108,7 @@ def load(
     *,
     dtype: torch.dtype = ...,
     device: torch.device | str | None = ...,
+    compute_type: str = ...,
 ) -> TextEncoder | TextDecoder | SpeechRecognizer: ...
 
 
@@ -112,6 +117,7 @@ def load(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    compute_type: str = "float32",
 ) -> TextEncoder | TextDecoder | SpeechRecognizer:
     """Load a pretrained model onto qkv, in eval mode: a BERT-family encoder, a Llama-family
     decoder or a Whisper speech recognizer, by name or by path.
@@ -133,6 +139,10 @@ def load(
             pooling, no normalisation, as sentence-transformers does).
         dtype: parameter dtype (the checkpoint's tensors are converted).
         device: where to put the model (default: CPU).
+        compute_type: Whisper only, faster-whisper's names: ``"float32"`` (default) or
+            ``"int8"`` (``"int8_float32"``): every linear layer's weights quantised at load to
+            int8 with one scale per output channel and run by an int8 matmul
+            (:class:`qkv.models.int8.Int8Linear`; CPU, float32 ``dtype``).
 
     Returns:
         a :class:`TextEncoder` (``encode``, ``attention_maps``, ``tokenize``, ``config``,
@@ -166,6 +176,7 @@ def load(
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     _check_runtime_deps()
     if path is None:
+        _check_float32_only(compute_type, path)
         return _load_encoder(default_model_path(), dtype, device)
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a model name, a path or None, got {type(path).__name__}")
@@ -175,8 +186,10 @@ def load(
     model: TextEncoder | TextDecoder | SpeechRecognizer
     from .whisper import is_whisper_folder, load_ct2
 
+    if not is_whisper_folder(p):
+        _check_float32_only(compute_type, path)
     if is_whisper_folder(p):
-        model = load_ct2(p, dtype=dtype)
+        model = load_ct2(p, dtype=dtype, compute_type=compute_type)
     elif p.suffix == ".gguf" or _starts_like_gguf(p):
         if importlib.util.find_spec("gguf") is None:
             raise ImportError(
@@ -195,6 +208,16 @@ def load(
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def _check_float32_only(compute_type: object, path: object) -> None:
+    """Refuse a compute_type other than float32 for a model that is not Whisper."""
+    if compute_type != "float32":
+        raise ValueError(
+            f"compute_type={compute_type!r} is for Whisper models (whisper-tiny.en or a "
+            f"CTranslate2 Whisper folder), not {str(path)!r}; GGUF decoders run on the file's "
+            f"own quantised blocks, other models in float32: leave compute_type out"
+        )
 
 
 def _starts_like_gguf(p: Path) -> bool:

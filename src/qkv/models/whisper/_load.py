@@ -5,6 +5,11 @@ CTranslate2 stores each self-attention's Q, K and V projections as one ``linear_
 concatenated), a cross-attention's K and V as one ``linear_1``, and no output head (the logits
 use the token embedding). Weights are float16, bfloat16 or float32 and are converted to the
 requested dtype; int8-quantised folders are refused.
+
+``compute_type="int8"`` (faster-whisper's name) quantises every linear layer of both stacks
+once, after loading, to int8 weights with one scale per output channel
+(:class:`qkv.models.int8.Int8Linear`); the convolutions, layer norms, embeddings and attention
+stay float32, as in CTranslate2's int8 mode on a CPU.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..int8 import quantize_linears
 from ._ct2 import read_model_bin
 from ._text import WhisperTokenizer
 from .model import WhisperConfig
 from .recognizer import SpeechRecognizer
 
-__all__ = ["is_whisper_folder", "load_ct2"]
+__all__ = ["COMPUTE_TYPES", "check_compute_type", "is_whisper_folder", "load_ct2"]
 
 _FILES = ("model.bin", "config.json", "tokenizer.json")
+# faster-whisper's names: "int8_float32" is its explicit spelling of "int8" on a CPU
+COMPUTE_TYPES = ("float32", "int8", "int8_float32")
 
 
 def is_whisper_folder(p: Path) -> bool:
@@ -36,8 +44,30 @@ def is_whisper_folder(p: Path) -> bool:
     return b"WhisperSpec" in head
 
 
-def load_ct2(path: Path, *, dtype: torch.dtype = torch.float32) -> SpeechRecognizer:
-    """The Whisper model in CTranslate2 folder ``path``, in eval mode."""
+def check_compute_type(compute_type: object, dtype: torch.dtype) -> str:
+    """``compute_type`` checked (one of :data:`COMPUTE_TYPES`) against ``dtype``: ``"int8"``
+    or ``"float32"``."""
+    if not isinstance(compute_type, str) or compute_type not in COMPUTE_TYPES:
+        raise ValueError(
+            f"compute_type={compute_type!r} is not supported; give one of "
+            f"{', '.join(map(repr, COMPUTE_TYPES))} (faster-whisper's names)"
+        )
+    if compute_type == "float32":
+        return "float32"
+    if dtype != torch.float32:
+        raise ValueError(
+            f"compute_type={compute_type!r} computes in float32 around int8 weights; it takes "
+            f"dtype=torch.float32, got {dtype}"
+        )
+    return "int8"
+
+
+def load_ct2(
+    path: Path, *, dtype: torch.dtype = torch.float32, compute_type: str = "float32"
+) -> SpeechRecognizer:
+    """The Whisper model in CTranslate2 folder ``path``, in eval mode; ``compute_type="int8"``
+    quantises its linear layers (module docstring)."""
+    compute = check_compute_type(compute_type, dtype)
     if not path.is_dir():
         raise FileNotFoundError(f"no such folder: {str(path)!r}; give a CTranslate2 Whisper folder")
     for name in _FILES:
@@ -73,6 +103,9 @@ def load_ct2(path: Path, *, dtype: torch.dtype = torch.float32) -> SpeechRecogni
     if wrong:
         raise ValueError(f"{where} does not fit the Whisper layout: {wrong[:3]} differ")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    if compute == "int8":
+        quantize_linears(model)
+    model.compute_type = compute
     return model.eval()
 
 

@@ -62,7 +62,9 @@ class SpeechRecognizer(nn.Module):
     folder). Attributes: ``config`` (:class:`~qkv.models.whisper.WhisperConfig`), ``encoder``
     (``encoder.layers[i].attention``), ``decoder`` (``decoder.layers[i].self_attention`` and
     ``.cross_attention``) — every one a :class:`qkv.MultiHeadAttention` —, ``alignment_heads``
-    (the ``(layer, head)`` pairs whose cross-attention times the words) and ``path``.
+    (the ``(layer, head)`` pairs whose cross-attention times the words), ``path`` and
+    ``compute_type`` (``"float32"``, or ``"int8"``: the linear layers are
+    :class:`qkv.models.int8.Int8Linear`).
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class SpeechRecognizer(nn.Module):
         self.tokenizer = tokenizer
         self.alignment_heads = alignment_heads
         self.path = path
+        self.compute_type = "float32"  # load_ct2 sets "int8" once it has quantised the linears
         self._suppress = torch.tensor(tokenizer.suppress_tokens, dtype=torch.int64)
         self._suppress_first = torch.tensor(suppress_blank, dtype=torch.int64)
         self._light: LightLogits | None = None  # built at the first greedy step
@@ -90,7 +93,8 @@ class SpeechRecognizer(nn.Module):
         c = self.config
         return (
             f"path={str(self.path)!r}, audio layers={c.n_audio_layers}, text layers="
-            f"{c.n_text_layers}, heads={c.n_text_heads}, d_model={c.d_model}"
+            f"{c.n_text_layers}, heads={c.n_text_heads}, d_model={c.d_model}, "
+            f"compute_type={self.compute_type}"
         )
 
     # ----------------------------------------------------------------------------- pieces
