@@ -212,20 +212,36 @@ def _version(t: Tensor) -> int:
 
 def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
     """``w`` float ``[N, K]`` → ``(q int8 [N, K], scale float32 [N])`` with ``w ≈ scale q``:
-    each row's ``max |w| / 127`` (rows of zeros get scale 1)."""
-    w = w.float()
+    each row's ``max |w| / 127`` (rows of zeros get scale 1), ``q = round(w / scale)``."""
+    w = w.detach().float()
     amax = w.abs().amax(1)  # [N]
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    scale = torch.where(amax > 0, amax / 127, 1.0)  # [N]
+    # |w / scale| <= 127 up to float32 rounding, which round() takes back to 127: no clamp
+    q = torch.div(w, scale[:, None]).round_().to(torch.int8)  # [N, K]
     return q, scale
 
 
 def quantize_linears(module: nn.Module, *, skip: tuple[str, ...] = ()) -> nn.Module:
     """Every ``nn.Linear`` inside ``module`` (in place) replaced by its :class:`Int8Linear`,
-    except those whose qualified name starts with one of ``skip``; returns ``module``."""
-    for name, child in list(module.named_modules()):
-        for attr, sub in list(child.named_children()):
+    except those whose qualified name starts with one of ``skip``; returns ``module``.
+
+    The weights of equal width are quantised together, a few large ops instead of six small
+    ones per layer (rows are independent): with two threads on a busy 2-core machine, where
+    each small op waits for both threads, Whisper tiny's int8 load took 4.6 s layer by layer
+    and 1.2 s grouped (its float32 load: 0.8 s)."""
+    found: list[tuple[nn.Module, str, nn.Linear]] = []
+    for name, child in module.named_modules():
+        for attr, sub in child.named_children():
             full = f"{name}.{attr}" if name else attr
             if type(sub) is nn.Linear and not full.startswith(skip):
-                setattr(child, attr, Int8Linear.from_float(sub))
+                found.append((child, attr, sub))
+    for width in sorted({lin.in_features for _, _, lin in found}):
+        group = [(parent, attr, lin) for parent, attr, lin in found if lin.in_features == width]
+        q, scale = quantize_rows(torch.cat([lin.weight.detach() for _, _, lin in group]))
+        rows = [lin.out_features for _, _, lin in group]
+        for (parent, attr, lin), qi, si in zip(
+            group, q.split(rows), scale.split(rows), strict=True
+        ):
+            b = None if lin.bias is None else lin.bias.detach().float()
+            setattr(parent, attr, Int8Linear(qi, si, b))
     return module
