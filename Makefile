@@ -89,7 +89,9 @@ PORTABLE_TESTS = tests/test_quantized.py tests/test_decode.py tests/test_contrac
   tests/test_nan.py -k 'not test_the_decoder_falls_back and not triton'
 
 # make test leaves out the tests marked `extended` (more cases of what the default run covers:
-# Triton's interpreter on large shapes, a 4-rank world); make test-all runs every test.
+# Triton's interpreter on large shapes, a 4-rank world, most parameter combinations of PyTorch's
+# own SDPA tests in tests/pytorch_sdpa, whose quick subset runs here); make test-all runs every
+# test.
 MARKS ?= -m 'not extended'
 
 unit: $(BIN)/.installed-test browser

@@ -604,3 +604,46 @@ def test_transformers_sdpa_model() -> None:
     assert rec.layers == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1, 3:], want[1, 3:], atol=1e-5, rtol=1e-5)
+
+
+# --- qkv explain --torch-model --------------------------------------------------------------
+
+_FACTORY = """
+import torch
+from torch import nn
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    return model, {"src": torch.randn(1, 6, 32), "mask": ~mask}
+
+
+def not_a_model():
+    return 3
+"""
+
+
+def test_explain_torch_model(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qkv.cli import main
+
+    (tmp_path / "mymodels.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", "--torch-model", "mymodels:encoder", "--token", "#2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "mymodels:encoder: 2 attention calls on qkv"
+    for line, layer in zip(out[1:], ["layers.0.self_attn", "layers.1.self_attn"], strict=True):
+        assert layer in line and "q [1, 4, 6, 8]" in line and "row 2 ->" in line
+        keys = [int(kp.split(":")[0]) for kp in line.split("-> ")[1].split(", ")]
+        assert len(keys) == 3 and max(keys) <= 2  # a causal mask: row 2 sees keys 0..2 only
+    for spec, text in [
+        ("mymodels:not_a_model", "must return (model, inputs)"),
+        ("mymodels", "give module:factory"),
+        ("nosuchmodule:f", "cannot import"),
+    ]:
+        assert main(["explain", "--torch-model", spec]) == 2
+        assert text in capsys.readouterr().err

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from . import _sdpa_masks
 from .functional import attention
@@ -105,7 +106,9 @@ def scaled_dot_product_attention(
         key: ``[..., Hkv, Lk, D]``; the leading dims broadcast against query's.
         value: ``[..., Hkv, Lk, Dv]``.
         attn_mask: ``None``; a bool tensor (True = attend) or a float tensor added to the
-            scores (float32 or query's dtype), broadcastable to ``[..., Hq, Lq, Lk]``.
+            scores (float32 or query's dtype), broadcastable to ``[..., Hq, Lq, Lk]``; or a
+            ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left`` /
+            ``causal_lower_right``), read as the bool mask it stands for.
         dropout_p: dropout on the attention probabilities, applied whenever it is > 0 (pass
             0.0 in eval mode, as with torch's function); 1.0 drops everything (output 0).
         is_causal: a top-left causal mask (see above).
@@ -196,6 +199,10 @@ def _prepare(
     scale: Any,
     enable_gqa: Any,
 ) -> _Call:
+    if isinstance(attn_mask, CausalBias):  # torch.nn.attention.bias: a causal mask as a tensor
+        if is_causal:
+            raise SDPAValueError("CausalBias should not be used with causal=True")  # torch's text
+        attn_mask = attn_mask._materialize(query.device)  # [Lq, Lk] bool
     _check_types(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     q, k, v = (t if t.dim() >= 3 else t.unsqueeze(0) for t in (query, key, value))  # [..., H, L, D]
     lead = _batch_shape(q, k, v)
@@ -246,6 +253,11 @@ def _check_types(
         if not isinstance(t, Tensor):
             raise SDPATypeError(
                 f"scaled_dot_product_attention: {name} must be a Tensor, got {type(t).__name__}"
+            )
+        if t.is_nested:
+            raise SDPATypeError(
+                f"scaled_dot_product_attention: {name} is a nested tensor, which qkv does not "
+                f"take; pad it to a dense tensor with a key-padding mask, or call torch's function"
             )
         if t.dtype not in _FLOATS:
             raise SDPATypeError(

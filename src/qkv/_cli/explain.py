@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "attn_implementation='qkv' (qkv.hf); with no PATH, all-MiniLM-L6-v2's folder",
     )
     p.add_argument(
+        "--torch-model",
+        metavar="MODULE:FACTORY",
+        help="instead, any PyTorch model: FACTORY() in MODULE returns (model, inputs); each "
+        "F.scaled_dot_product_attention call it makes runs on qkv (qkv.override_sdpa) and is "
+        "listed with the keys query row --token #N (default: the last) attends to most",
+    )
+    p.add_argument(
         "--audio",
         metavar="FILE",
         help="instead of a text, a WAV file: transcribed by Whisper (--model whisper-tiny.en, "
@@ -180,6 +187,10 @@ def _run(args: argparse.Namespace) -> int:
         raise _Refused(f"--top must be at least 1, got {args.top}")
     png = _check_output("--png", args.png)
     html_path = _check_output("--html", args.html)
+    if args.torch_model is not None:
+        from .explain_torch import run_torch
+
+        return run_torch(args)
     from .explain_audio import is_whisper, run_audio
 
     if args.audio is not None:
