@@ -397,6 +397,29 @@ def test_override_restores_and_nests(qkv_calls: list) -> None:
     assert len(qkv_calls) == 2
 
 
+def test_override_keeps_an_earlier_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another library's patch of F.scaled_dot_product_attention serves the calls outside the
+    override and is put back after it (fails if torch's function were restored instead)."""
+    seen: list[int] = []
+
+    def patched(*a: Any, **kw: Any) -> Tensor:
+        seen.append(1)
+        return TORCH_SDPA(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", patched)
+    q = torch.randn(1, 2, 5, 8)
+    with qkv.override_sdpa():
+        F.scaled_dot_product_attention(q, q, q)
+    assert seen == [] and F.scaled_dot_product_attention is patched
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_nested_tensors_are_refused() -> None:
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])
+    with pytest.raises(SDPATypeError, match="nested tensor"):
+        qkv.scaled_dot_product_attention(nt, nt, nt)
+
+
 def test_override_as_decorator(qkv_calls: list) -> None:
     @qkv.override_sdpa
     def bare(x: Tensor) -> Tensor:

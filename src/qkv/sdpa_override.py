@@ -29,6 +29,8 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 __all__ = ["override_sdpa"]
 
+# What F.scaled_dot_product_attention was when the first override opened (torch's function,
+# or another library's patch of it): calls outside an override go there, and it is put back.
 _ORIGINAL: Callable[..., Tensor] = F.scaled_dot_product_attention
 
 
@@ -82,9 +84,6 @@ def _dispatch(
             _recording.CALLER.reset(token)
 
 
-_dispatch.__doc__ = (_ORIGINAL.__doc__ or "") + "\n\n(Routed to qkv by qkv.override_sdpa.)"
-
-
 def _calling_module(frame: FrameType | None) -> nn.Module | None:
     """The innermost ``nn.Module`` whose method is on the stack above ``frame``."""
     for _ in range(_FRAMES):
@@ -98,7 +97,7 @@ def _calling_module(frame: FrameType | None) -> nn.Module | None:
 
 
 def _enter() -> None:
-    global _open, _fastpath_before
+    global _open, _fastpath_before, _ORIGINAL
     _here.depth += 1
     with _lock:
         _open += 1
@@ -108,6 +107,8 @@ def _enter() -> None:
             # is open, so those layers take their Python path (the same numbers).
             _fastpath_before = torch.backends.mha.get_fastpath_enabled()
             torch.backends.mha.set_fastpath_enabled(False)
+            if F.scaled_dot_product_attention is not _dispatch:
+                _ORIGINAL = F.scaled_dot_product_attention
             F.scaled_dot_product_attention = _dispatch
 
 
@@ -117,7 +118,7 @@ def _exit() -> None:
     with _lock:
         _open -= 1
         if _open == 0:
-            # Put torch's function back unless someone patched it over ours meanwhile.
+            # Put the function back unless someone patched it over ours meanwhile.
             if F.scaled_dot_product_attention is _dispatch:
                 F.scaled_dot_product_attention = _ORIGINAL
             if _fastpath_before is not None:
