@@ -11,11 +11,11 @@ hands masks it recognises to qkv's block-sparse engine (:mod:`qkv._sdpa_masks`).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.attention.bias import CausalBias
 
 from . import _sdpa_masks
 from .functional import attention
@@ -199,7 +199,12 @@ def _prepare(
     scale: Any,
     enable_gqa: Any,
 ) -> _Call:
-    if isinstance(attn_mask, CausalBias):  # torch.nn.attention.bias: a causal mask as a tensor
+    # torch.nn.attention.bias's CausalBias, a causal mask as a tensor. Looked up, not imported:
+    # that module imports torch._dynamo, which `import qkv` must not (a second of start-up,
+    # and Triton's interpreter breaks when dynamo comes before its kernels); a CausalBias
+    # can only exist once its module was imported.
+    bias_module = sys.modules.get("torch.nn.attention.bias")
+    if bias_module is not None and isinstance(attn_mask, bias_module.CausalBias):
         if is_causal:
             raise SDPAValueError("CausalBias should not be used with causal=True")  # torch's text
         attn_mask = attn_mask._materialize(query.device)  # [Lq, Lk] bool
