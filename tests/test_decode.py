@@ -23,6 +23,7 @@ import torch
 
 import qkv
 from catalogue import Shape, make_qkv
+from qkv._core.lru import LRU
 
 # private: the kernel's entry point with a forced split count, its library and row limit
 from qkv._planning import signature
@@ -230,7 +231,7 @@ def test_a_failed_build_is_passed_over_with_the_reason(monkeypatch, caplog):
     """A build that fails at the first call (no compiler, no headers): that call and every
     later one are planned elsewhere, exact, with one logged line and the reason in the plan."""
     monkeypatch.setattr(decode_mod.LIBRARY, "_state", {})
-    monkeypatch.setattr(qkv._planning.kept, "_KEPT", {})
+    monkeypatch.setattr(qkv._planning.kept, "_KEPT", LRU(512))
 
     def broken():
         raise RuntimeError("c++: command not found\nmore detail")

@@ -208,7 +208,7 @@ def test_repeat_calls_reuse_the_decision_and_stay_exact(monkeypatch):
         qkv.attention(torch.randn(1, 8, 1, 64), k, v)
     # routes that hold per-call work (lse from blocksparse, with a gradient) keep their
     # decision but no runner: the door runs every call
-    before = dict(qkv._planning.kept._KEPT)
+    before = dict(qkv._planning.kept._KEPT.items())
     assert qkv.plan(qg, k, v, return_lse=True).backend == "blocksparse"
     qkv.attention(qg, k, v, return_lse=True)
     new = [e for key, e in qkv._planning.kept._KEPT.items() if key not in before and e is not None]
@@ -227,8 +227,9 @@ def test_repeat_calls_with_a_band_mask_reuse_the_decision(monkeypatch, mask, sha
     """A band mask object (what every layer of a forward shares) is part of the signature:
     where the route has a runner (SDPA's is_causal, the decode kernel, the compiled band
     kernel without gradients) its second call skips
-    the door, gives the first call's numbers and the oracle's; another band object is another
-    signature; a mask of another kind always takes the full path."""
+    the door, gives the first call's numbers and the oracle's; an equal band made anew is the
+    same signature, another band another; a combination made anew at each call is a value too,
+    and new or edited ids in it are a new signature."""
     from qkv import functional
 
     qkv._planning.kept.clear()
@@ -254,12 +255,29 @@ def test_repeat_calls_with_a_band_mask_reuse_the_decision(monkeypatch, mask, sha
     torch.testing.assert_close(
         qkv.attention(q, k, v, mask=other), qkv.attention(q, k, v, mask=other, backend="reference")
     )
-    doc = qkv.document(torch.arange(Lq) // 4)
+    ids = torch.arange(Lq) // 4
     if Lq == Lk:
+        # a combination made anew at each call is a value: equal parts, equal signature
         before = len(calls)
-        qkv.attention(q, k, v, mask=qkv.and_masks(mask, doc))
-        qkv.attention(q, k, v, mask=qkv.and_masks(mask, doc))
-        assert len(calls) == before + 2  # not a band: the full path each time
+        first = qkv.attention(q, k, v, mask=qkv.and_masks(mask, qkv.document(ids)))
+        again = qkv.attention(q, k, v, mask=qkv.and_masks(mask, qkv.document(ids)))
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        assert len(calls) <= before + 2
+        # other ids (or the same ids edited in place) are another signature: decided again
+        ids2 = ids.flip(0)
+        want = qkv.attention(
+            q, k, v, mask=qkv.and_masks(mask, qkv.document(ids2)), backend="reference"
+        )
+        torch.testing.assert_close(
+            qkv.attention(q, k, v, mask=qkv.and_masks(mask, qkv.document(ids2))), want
+        )
+        ids2[:] = 0
+        want = qkv.attention(
+            q, k, v, mask=qkv.and_masks(mask, qkv.document(ids2)), backend="reference"
+        )
+        torch.testing.assert_close(
+            qkv.attention(q, k, v, mask=qkv.and_masks(mask, qkv.document(ids2))), want
+        )
 
 
 def test_repeat_calls_follow_the_dense_limit():
@@ -271,7 +289,7 @@ def test_repeat_calls_follow_the_dense_limit():
     old = qkv.set_dense_limit(0)
     try:
         assert qkv.plan(q, k, v).backend == "blocksparse"  # SDPA's lse buffer is over 0 B
-        before = dict(qkv._planning.kept._KEPT)
+        before = dict(qkv._planning.kept._KEPT.items())
         torch.testing.assert_close(qkv.attention(q, k, v), ref)
         # the limit is part of the signature: a new one, decided for blocksparse
         new = [e for key, e in qkv._planning.kept._KEPT.items() if key not in before]

@@ -257,20 +257,28 @@ def test_cuda_auto_routes() -> None:
     assert qkv.plan(q, k, v, mask=doc).backend == "triton"
 
 
-def test_a_mask_object_is_planned_once_until_its_tensors_change() -> None:
-    """A padding mask passed to every layer is planned once (kept on the mask object); an
-    in-place change of its lengths is seen (the plan is keyed by the tensors' versions)."""
+def test_a_mask_is_planned_once_until_its_tensors_change(monkeypatch) -> None:
+    """A padding mask passed to every layer, or made anew in each (an equal value), is planned
+    once (kept under its value); an in-place change of its lengths is seen (the value's key
+    holds the tensors' versions)."""
+    from qkv.backends.triton import lists
+
+    built = []
+    real = lists.build
+    monkeypatch.setattr(lists, "build", lambda *a, **kw: built.append(1) or real(*a, **kw))
     shape = Shape(2, 2, 2, 40, 50, 16)
     q, k, v = make_qkv(shape, gen=19, device=DEVICE)
     lengths = torch.tensor([50, 20])
     mask = qkv.padding(lengths)
     first = triton(q, k, v, mask=mask)[0]
-    plans = dict(vars(mask)["_triton_plans"])
-    assert len(plans) == 1
+    assert len(built) == 1
     again = triton(q, k, v, mask=mask)[0]
-    assert vars(mask)["_triton_plans"] == plans  # reused, not planned again
+    inline = triton(q, k, v, mask=qkv.padding(lengths))[0]
+    assert len(built) == 1, "an equal mask was planned again"
     torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(inline, first, rtol=0, atol=0)
     lengths[1] = 45  # the user edits the lengths in place: more key blocks are visible
     changed = triton(q, k, v, mask=mask)[0]
+    assert len(built) == 2
     want = qkv.attention(q, k, v, mask=qkv.padding(torch.tensor([50, 45])), backend="reference")
     torch.testing.assert_close(changed, want, atol=1e-5, rtol=1e-5)

@@ -7,10 +7,11 @@ per element, so any mask built from comparisons, indexing, ``&``, ``|``, ``~`` a
 ``torch.where`` works without vmap or compile.
 
 The built-ins are small objects rather than plain functions (:mod:`qkv._core.builtin_mods`):
-they also carry their structure (a band of diagonals, a prefix of keys, equal document ids).
-:mod:`qkv._core.kinds` reads it once per call, so the tile planner (:mod:`qkv._core.tiles`)
-classifies blocks as empty, full or partial without evaluating n² positions, and combinations
-reach the kernel of the mask they equal.
+values (equal when made with equal parameters: ``sliding_window(8) == sliding_window(8)``, so
+one written inside ``forward`` finds the decision its last call kept) that also carry their
+structure (a band of diagonals, a prefix of keys, equal document ids) and their tile rule, so
+the tile planner (:mod:`qkv._core.tiles`) classifies blocks as empty, full or partial without
+evaluating n² positions, and combinations reach the kernel of the mask they equal.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
     """
     _check_counts("padding lengths", lengths)
     if start is None:
-        return KvBelow(lengths.detach(), None)
+        return KvBelow(lengths, None, given=(lengths, None))  # (integers: no gradient)
     _check_counts("padding start", start)
     if start.shape != lengths.shape:
         raise ValueError(
@@ -108,7 +109,7 @@ def padding(lengths: Tensor, *, start: Tensor | None = None) -> MaskMod:
             f"{tuple(lengths.shape)}; give one start per batch element"
         )
     end = (start.to(torch.int64) + lengths.to(torch.int64)).detach()
-    return KvBelow(end, None, start.detach().to(torch.int64))
+    return KvBelow(end, None, start.detach().to(torch.int64), given=(lengths, start))
 
 
 def _check_counts(what: str, t: object) -> None:
@@ -154,7 +155,7 @@ def document(ids: Tensor) -> MaskMod:
             f"document ids must be a 1-D integer tensor, got shape {tuple(ids.shape)} and "
             f"dtype {ids.dtype}"
         )
-    return Document(ids.detach())
+    return Document(ids)  # (integer ids never need a gradient: kept as given, the value)
 
 
 def prefix_lm(n: int) -> MaskMod:

@@ -15,11 +15,59 @@ from typing import Any
 import torch
 
 from .checks import check_mask_result
+from .tiles import Grid, band_states, below_states, document_states
 
 Tensor = torch.Tensor
 
 
-class BuiltinMask:
+class Value:
+    """A built-in mask or score as a value: equal to another of its class with equal
+    parameters (:meth:`params`), and hashed by them, so ``sliding_window(256)`` written inside
+    ``forward`` equals the one made at the last call and finds its kept decision. A tensor
+    among the parameters (document ids, padding lengths, ALiBi slopes) is a leaf compared by
+    identity, never by value (comparing values would read them: a sync on a GPU, a graph
+    break under torch.compile); two masks on one tensor read the same values, so they are
+    equal before and after an in-place edit, and a call's signature token adds the tensor's
+    version (``qkv._core.kindspec.value_token``), so an edit is a new decision. A user's mod
+    among them (a combination's part) compares as Python compares it (by identity, for a
+    function). Never edited after it is made."""
+
+    # True when every parameter is a plain number (no tensor, no user mod): the value is then
+    # its own signature token (qkv._core.kindspec.value_token), with no tuple made per call
+    plain = False
+
+    def params(self) -> tuple[object, ...]:
+        """What this value is made of (its class aside)."""
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if type(other) is not type(self):
+            return NotImplemented
+        return _same(self.params(), other.params())
+
+    def __hash__(self) -> int:
+        return hash((type(self), _identities(self.params())))
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _identities(x: object) -> object:
+    if isinstance(x, Tensor):
+        return id(x)
+    if isinstance(x, tuple):
+        return tuple(_identities(i) for i in x)
+    return x
+
+
+class BuiltinMask(Value):
     """Base of the built-in mask_mods: callable, printable, checked against the problem."""
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -34,6 +82,12 @@ class BuiltinMask:
         ranks; the per-device copies a mask keeps are not part of it."""
         return []
 
+    def tile_states(self, g: Grid) -> Tensor | None:
+        """Its tile rule: int8 states (empty 0, partial 1, full 2) broadcastable to
+        ``[B, H, nq, nk]`` for the tiling ``g``, from its parameters and the block bounds
+        alone (no position evaluated); ``None`` when it has none (it is then evaluated)."""
+        return None
+
     @property
     def __name__(self) -> str:  # error messages name a mask_mod by __name__
         return repr(self)
@@ -42,8 +96,16 @@ class BuiltinMask:
 class Band(BuiltinMask):
     """Attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded on that side)."""
 
+    plain = True
+
     def __init__(self, lo: int | None, hi: int | None, name: str) -> None:
         self.lo, self.hi, self._name = lo, hi, name
+
+    def params(self) -> tuple[object, ...]:
+        return (self.lo, self.hi)  # (the name is how it was written, not what it is)
+
+    def tile_states(self, g: Grid) -> Tensor:
+        return band_states(self.lo, self.hi, g)
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         d = kv_idx - q_idx
@@ -68,10 +130,19 @@ class KvBelow(BuiltinMask):
     """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
     ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
 
-    def __init__(self, limit: int | Tensor, name: str | None, start: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | Tensor,
+        name: str | None,
+        start: Tensor | None = None,
+        given: tuple[Tensor | int | None, ...] | None = None,
+    ) -> None:
         # name None: a padding mask, named from its tensors when first shown (reading their
         # values inside a compiled function would break the graph)
         self.limit, self._name_of, self.start = limit, name, start
+        # the tensors as the caller gave them (qkv.padding's lengths and start, before the
+        # ends were computed from them): what makes two such masks equal
+        self.given = given if given is not None else (limit, start)
         # copies per device, with the version of the tensor they copied: an in-place edit of
         # the lengths makes a new copy instead of leaving a stale one
         self._by_device: dict[tuple[str, torch.device], tuple[int, Tensor]] = {}
@@ -94,6 +165,12 @@ class KvBelow(BuiltinMask):
         if self.start is not None:
             ok = ok & (kv_idx >= self._on("start", self.start, kv_idx.device)[b])
         return ok
+
+    def params(self) -> tuple[object, ...]:
+        return self.given
+
+    def tile_states(self, g: Grid) -> Tensor:
+        return below_states(self.limit, g, self.start)
 
     def carried(self) -> list[tuple[str, object]]:
         ends = "padding lengths" if self.start is None else "padding ends (start + lengths)"
@@ -141,6 +218,12 @@ class Document(BuiltinMask):
         ids = self._ids(q_idx.device)
         return ids[q_idx] == ids[kv_idx]
 
+    def params(self) -> tuple[object, ...]:
+        return (self.ids,)
+
+    def tile_states(self, g: Grid) -> Tensor:
+        return document_states(self.ids, g)
+
     def carried(self) -> list[tuple[str, object]]:
         return [("document ids", self.ids)]
 
@@ -160,6 +243,25 @@ class Combined(BuiltinMask):
     def __init__(self, mods: tuple[Any, ...], name: str) -> None:
         self.mods, self._name = mods, name
 
+    def params(self) -> tuple[object, ...]:
+        return self.mods
+
+    @staticmethod
+    def combine_states(a: Tensor, b: Tensor) -> Tensor:
+        """Two parts' tile states combined (and: the minimum, or: the maximum)."""
+        raise NotImplementedError
+
+    def tile_states(self, g: Grid) -> Tensor | None:
+        """Its parts' rules combined, when every part has one (``qkv.prefix_lm`` is the or
+        of a key prefix and causal)."""
+        out: Tensor | None = None
+        for m in self.mods:
+            part = m.tile_states(g) if isinstance(m, BuiltinMask) else None
+            if part is None:
+                return None
+            out = part if out is None else self.combine_states(out, part)
+        return out
+
     def carried(self) -> list[tuple[str, object]]:
         return [("part", m) for m in self.mods]
 
@@ -174,6 +276,10 @@ class Combined(BuiltinMask):
 
 
 class And(Combined):
+    @staticmethod
+    def combine_states(a: Tensor, b: Tensor) -> Tensor:
+        return torch.minimum(a, b)  # empty if any part is empty, full only if every part is
+
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = call_mod(self.mods[0], b, h, q_idx, kv_idx)
         for m in self.mods[1:]:
@@ -182,6 +288,10 @@ class And(Combined):
 
 
 class Or(Combined):
+    @staticmethod
+    def combine_states(a: Tensor, b: Tensor) -> Tensor:
+        return torch.maximum(a, b)  # full if any part is, empty only if every part is
+
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         out = call_mod(self.mods[0], b, h, q_idx, kv_idx)
         for m in self.mods[1:]:
@@ -204,7 +314,7 @@ def call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> T
 # -------------------------------------------------------------------------------------- scores
 
 
-class BuiltinScore:
+class BuiltinScore(Value):
     def __call__(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
@@ -229,6 +339,9 @@ class Alibi(BuiltinScore):
     def __init__(self, slopes: Tensor) -> None:
         self.slopes = slopes
 
+    def params(self) -> tuple[object, ...]:
+        return (self.slopes,)
+
     def __call__(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
@@ -246,8 +359,13 @@ class Alibi(BuiltinScore):
 
 
 class Softcap(BuiltinScore):
+    plain = True
+
     def __init__(self, cap: float) -> None:
         self.cap = cap
+
+    def params(self) -> tuple[object, ...]:
+        return (self.cap,)
 
     def __call__(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
@@ -261,6 +379,9 @@ class Softcap(BuiltinScore):
 class RelativeBias(BuiltinScore):
     def __init__(self, table: Tensor, max_distance: int) -> None:
         self.table, self.max_distance = table, max_distance
+
+    def params(self) -> tuple[object, ...]:
+        return (self.table, self.max_distance)
 
     def __call__(
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor

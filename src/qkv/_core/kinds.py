@@ -29,8 +29,20 @@ from typing import Any
 import torch
 
 from .._flex.compat import ModCall
-from .builtin_mods import CAUSAL, Alibi, And, Band, Document, KvBelow, Or, RelativeBias, Softcap
+from .builtin_mods import (
+    CAUSAL,
+    Alibi,
+    And,
+    Band,
+    BuiltinMask,
+    Document,
+    KvBelow,
+    Or,
+    RelativeBias,
+    Softcap,
+)
 from .checks import callable_name
+from .tiles import FULL, Grid
 
 Tensor = torch.Tensor
 
@@ -49,8 +61,16 @@ MASK_KINDS = (
 SCORE_KINDS = ("none", "bias", "alibi", "softcap", "relative", "mod")
 
 
-class _AllTrue:
+class _AllTrue(BuiltinMask):
     """The mask_mod of "no mask": every position may attend."""
+
+    plain = True
+
+    def params(self) -> tuple[object, ...]:
+        return ()
+
+    def tile_states(self, g: Grid) -> Tensor:
+        return torch.full((1, 1, g.nq, g.nk), FULL, dtype=torch.int8)
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)

@@ -29,7 +29,17 @@ import weakref
 import torch
 
 from .._flex.compat import ModCall
-from .builtin_mods import CAUSAL, Alibi, And, Band, Document, KvBelow, Or, RelativeBias, Softcap
+from .builtin_mods import (
+    CAUSAL,
+    Alibi,
+    And,
+    Document,
+    KvBelow,
+    Or,
+    RelativeBias,
+    Softcap,
+    Value,
+)
 from .kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
 from .tracing import is_symbolic
 
@@ -46,6 +56,7 @@ __all__ = [
     "score_token",
     "tensor_token",
     "unwatched",
+    "value_token",
 ]
 
 
@@ -226,50 +237,66 @@ def problem_mask_token(m: MaskKind) -> object | None:
 
 def mask_token(mask: object) -> object | None:
     """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
-    it cannot be one: a built-in band as itself (it holds no tensors); a document or padding
-    mask by its tensors' tokens; a combination by its parts' tokens; a user's mask_mod
-    weakly, as :class:`Unwatched`."""
+    it cannot be one: a built-in mask (a :class:`~qkv._core.builtin_mods.Value`) by its value
+    (:func:`value_token`: its class, numbers and tensors' tokens, so one made anew at each call
+    finds the last call's decision); a user's mask_mod weakly, as :class:`Unwatched`."""
     if mask is None:
         return _NONE
-    kind = type(mask)
-    if kind is Band:
-        return mask  # no tensors, nothing in it changes
-    if kind is Document:  # (its decision reads its ids and nothing else of it)
-        ids = tensor_token(mask.ids)  # type: ignore[attr-defined]
-        return None if ids is None else ("document", ids)
-    if kind is KvBelow:  # (its limit and start: ints, None or per-batch tensors)
-        limit, start = mask.limit, mask.start  # type: ignore[attr-defined]
-        if isinstance(limit, Tensor) and (limit := tensor_token(limit)) is None:
-            return None
-        if start is not None and (start := tensor_token(start)) is None:
-            return None
-        return ("padding", limit, start)
-    if kind is And or kind is Or:  # (prefix_lm is one): when every part has a token
-        parts = tuple(mask_token(m) for m in mask.mods)  # type: ignore[attr-defined]
-        if None in parts:
-            return None
-        token = (weakref.ref(mask), parts)
-        return Unwatched(token) if any(isinstance(t, Unwatched) for t in parts) else token
+    if isinstance(mask, Value):
+        return value_token(mask)
     if isinstance(mask, Tensor) or not callable(mask):
         return None  # (a bool tensor: problem_mask_token, once checked)
-    if isinstance(mask, ModCall):  # the door's wrapper of a user's mod: the mod is the key
-        mask = mask.fn
+    return _mod_token(mask)
+
+
+def _mod_token(mod: object) -> object | None:
+    if isinstance(mod, ModCall):  # the door's wrapper of a user's mod: the mod is the key
+        mod = mod.fn
     try:
-        return Unwatched(("mod", weakref.ref(mask)))
+        return Unwatched(("mod", weakref.ref(mod)))
     except TypeError:
         return None
 
 
+def value_token(v: Value) -> object | None:
+    """A built-in mask or score as a signature token: its class and parameters, each tensor
+    by :func:`tensor_token` (identity, version, held weakly), each user mod among the parts of
+    a combination as :class:`Unwatched`; ``None`` when a part has no token (an inference
+    tensor, a callable that takes no weak reference)."""
+    if v.plain:
+        return v
+    parts: list[object] = [type(v)]
+    watched = True
+    for x in v.params():
+        if x is None or not (isinstance(x, (Tensor, Value)) or callable(x)):
+            parts.append(x)  # a number, or None (an edge left open)
+            continue
+        t: object
+        if isinstance(x, Tensor):
+            t = tensor_token(x)
+        elif isinstance(x, Value):
+            t = value_token(x)
+        else:
+            t = _mod_token(x)
+        if t is None:
+            return None
+        watched = watched and not isinstance(t, Unwatched)
+        parts.append(t)
+    return tuple(parts) if watched else Unwatched(parts)
+
+
 def score_token(score: object) -> object | None:
-    """A score as part of a call's signature: none; a bias tensor by its token; a score_mod
-    (built-in or a user's) weakly: the decision reads its kind, never its values or the
-    tensors it closes over (each call's problem is bound when it runs). ``None`` for a
-    callable that takes no weak reference."""
+    """A score as part of a call's signature: none; a bias tensor by its token; a built-in
+    score_mod by its value (:func:`value_token`); a user's score_mod weakly (the decision reads
+    its kind, never its values or the tensors it closes over: each call's problem is bound
+    when it runs). ``None`` for a callable that takes no weak reference."""
     if score is None:
         return _NONE
     if isinstance(score, Tensor):
         token = tensor_token(score)
         return None if token is None else ("bias", token)
+    if isinstance(score, Value):
+        return value_token(score)
     if isinstance(score, ModCall):  # the door's wrapper of a user's mod: the mod is the key
         score = score.fn
     try:

@@ -1,17 +1,21 @@
 """Tile states of a mask: which ``bq x bk`` blocks of the score matrix are empty (0), partial
 (1) or full (2).
 
-Built-in kinds (see :mod:`qkv._core.kinds`) have analytic rules that touch only block bounds, in
-O(number of tiles) work; and/or trees combine their parts' states; bool tensors and
-mask_mods are evaluated tile by tile within ``EVAL_BUDGET`` positions.
+Each built-in mask carries its analytic rule (``tile_states`` on its class in
+:mod:`qkv._core.builtin_mods`, built from :func:`band_states`, :func:`below_states` and
+:func:`document_states` here), which touches only block bounds, in O(number of tiles) work;
+and/or trees combine their parts' states; bool tensors and mask_mods are evaluated tile by
+tile within ``EVAL_BUDGET`` positions.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .evaluate import mask_at
-from .kinds import MaskKind
+if TYPE_CHECKING:  # (kinds imports builtin_mods, whose rules are written with this module)
+    from .kinds import MaskKind
 
 Tensor = torch.Tensor
 
@@ -61,31 +65,21 @@ class Grid:
         return states
 
     def classify(self, m: MaskKind) -> Tensor:
-        """int8 states broadcastable to ``[B, H, nq, nk]`` for a classified mask: built-in
-        kinds by their rule (no position evaluated), and/or trees part by part, bool tensors
-        and mask_mods evaluated tile by tile."""
-        k = m.kind
-        if k == "none":
-            return torch.full((1, 1, self.nq, self.nk), FULL, dtype=torch.int8)
-        if m.is_band:
-            return _band_states(m.lo, m.hi, self)
-        if k == "padding":
-            assert m.limit is not None
-            return _below_states(m.limit, self, m.start)
-        if k == "prefix":
-            assert m.limit is not None
-            return torch.maximum(_below_states(m.limit, self), _band_states(None, 0, self))
-        if k == "document":
-            assert m.ids is not None
-            return _document_states(m.ids, self)
-        if k in ("and", "or"):
-            # and: empty if any part is empty, full only if every part is: the minimum state;
-            # or: the maximum.
-            combine = torch.minimum if k == "and" else torch.maximum
+        """int8 states broadcastable to ``[B, H, nq, nk]`` for a classified mask: a built-in
+        mask by its own rule (no position evaluated), an and/or tree part by part (a part
+        with no rule evaluated alone), bool tensors and mask_mods evaluated tile by tile."""
+        from .builtin_mods import BuiltinMask, Combined  # (see the imports above)
+
+        mod = m.mask_mod
+        if m.parts and isinstance(mod, Combined):
             out = self.classify(m.parts[0])
             for part in m.parts[1:]:
-                out = combine(out, self.classify(part))
+                out = mod.combine_states(out, self.classify(part))
             return out
+        if isinstance(mod, BuiltinMask):
+            states = mod.tile_states(self)
+            if states is not None:
+                return states
         self.evaluated.append(m.name)
         return _evaluate(m, self)
 
@@ -103,6 +97,8 @@ def _tile_rows(g: Grid) -> tuple[int, int]:
 def _evaluate(m: MaskKind, g: Grid) -> Tensor:
     """Evaluate a mask_mod (or slice a bool tensor) tile by tile and reduce each block to
     empty / partial / full. Memory is bounded by ``EVAL_BUDGET`` positions per tile."""
+    from .evaluate import mask_at  # (evaluate imports kinds: see the imports above)
+
     t = m.tensor
     if g.device.type == "meta" or (t is not None and t.device.type == "meta"):
         # No data to evaluate (qkv.plan on meta tensors): every block may hold anything.
@@ -161,7 +157,7 @@ def _reduce_tile(m: Tensor, rows: int, cols: int, bq: int, bk: int) -> Tensor:
 # ------------------------------------------------------------------ analytic rules
 
 
-def _band_states(lo_: int | None, hi_: int | None, g: Grid) -> Tensor:
+def band_states(lo_: int | None, hi_: int | None, g: Grid) -> Tensor:
     """``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded)."""
     # Rows r of a query block see keys [r + lo, r + hi]; the union over the block's rows
     # [qs, ql] is [qs + lo, ql + hi], and a key block [ks, kl] is full iff every row sees
@@ -180,7 +176,7 @@ def _band_states(lo_: int | None, hi_: int | None, g: Grid) -> Tensor:
     return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
 
 
-def _below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> Tensor:
+def below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> Tensor:
     """``start <= kv_idx < limit`` (an int, or one limit per batch element; ``start`` None
     or one per batch element)."""
     # Key block j is visible iff it reaches past the start and its first key is below the
@@ -202,7 +198,7 @@ def _below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> 
     return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)  # [B, 1, 1, nk]
 
 
-def _document_states(all_ids: Tensor, g: Grid) -> Tensor:
+def document_states(all_ids: Tensor, g: Grid) -> Tensor:
     """``ids[q_idx] == ids[kv_idx]``."""
     ids = all_ids.detach().to("cpu")[: max(g.Lq, g.Lk)]
     if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):

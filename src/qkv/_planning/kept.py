@@ -4,8 +4,9 @@
 :func:`qkv.attention` with a runner kept runs it before any check
 (:func:`qkv.planner.repeat`). A decision that read the logits (whether a gradient's
 recomputing backward would lose precision) is kept per answer. Bounded: at most 512 keys,
-and a key whose signature holds a freed tensor or mod (it can never be met again) is
-forgotten when that object is freed.
+the least recently used going first (:class:`qkv._core.lru.LRU`), and a key whose signature
+holds a freed tensor or mod (it can never be met again) is forgotten when that object is
+freed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._core.kindspec import Unwatched
+from .._core.lru import LRU
 from .._core.problem import Problem
 from ..backends import BACKENDS
 from ..backends.base import HUGE_LOGIT, Runner, logit_bound
@@ -33,10 +35,17 @@ class Kept(NamedTuple):
     runner: Runner | None
 
 
-_KEPT: dict[object, Kept | _ByLogits] = {}  # signature (or (signature, huge)) -> kept plan
 # a kept key -> weak references (with callbacks) to what its signature holds weakly
 _GUARDS: dict[object, list[weakref.ref[Any]]] = {}
 _MAX_KEPT = 512  # a model's layers share one signature; decoding adds one per cache length
+
+
+def _evicted(key: object) -> None:
+    _GUARDS.pop(key, None)
+
+
+# signature (or (signature, huge)) -> kept plan
+_KEPT: LRU[object, Kept | _ByLogits] = LRU(_MAX_KEPT, on_evict=_evicted)
 
 
 class _ByLogits:
@@ -65,9 +74,8 @@ def clear() -> None:
 
 def keep(sig: Signature, plan: Any, p: Problem) -> None:
     """Keep ``plan``, decided for ``p``, under ``p``'s signature ``sig`` (with the runner its
-    backend gives, if any), until a tensor or mod the signature holds weakly is freed."""
-    if len(_KEPT) >= _MAX_KEPT:
-        clear()
+    backend gives, if any), until a tensor or mod the signature holds weakly is freed (or it
+    is the least recently used of more than ``_MAX_KEPT``)."""
     backend = BACKENDS[plan.backend]
     plan = replace(plan, route=backend.keep(plan.route))
     # (no runner for a mask whose values a signature does not watch: it would reuse them)
@@ -75,11 +83,11 @@ def keep(sig: Signature, plan: Any, p: Problem) -> None:
     entry = Kept(plan, runner)
     huge = p.reads.get("huge_logits")
     if huge is None:
-        _KEPT[sig] = entry
+        _KEPT.put(sig, entry)
         keys: tuple[object, ...] = (sig,)
     else:
-        _KEPT[sig] = _BY_LOGITS
-        _KEPT[(sig, huge)] = entry
+        _KEPT.put(sig, _BY_LOGITS)
+        _KEPT.put((sig, huge), entry)
         keys = (sig, (sig, huge))
     # A signature whose tensors (document ids, padding lengths, a bias) or mod are freed can
     # never be met again: forget its plan then, and what its runner holds (a dense mask).
@@ -88,7 +96,7 @@ def keep(sig: Signature, plan: Any, p: Problem) -> None:
 
         def forget(_: object, keys: tuple[object, ...] = keys) -> None:
             for key in keys:
-                _KEPT.pop(key, None)
+                _KEPT.pop(key)
                 _GUARDS.pop(key, None)
 
         _GUARDS[keys[-1]] = [weakref.ref(t, forget) for t in held]

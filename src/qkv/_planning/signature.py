@@ -9,11 +9,12 @@ What a signature holds:
 - the shapes of ``q``, ``k``, ``v`` as the problem has them (``[B, H, L, D]``), their dtypes
   and devices, which of them (and a bias) need a gradient;
 - the mask and the score as *tokens* (``qkv._core.kindspec.mask_token``, ``score_token``): a
-  built-in band mask (``qkv.causal``, ``qkv.sliding_window``; it holds no tensors) as
-  itself; a document or padding mask and a bias tensor by their tensors' identities and
-  version counters, held weakly (an in-place edit of the ids or lengths is a new signature;
-  a freed tensor's token equals nothing made later); a combination of built-ins weakly, with
-  its parts' tokens; a score_mod weakly (the decision reads its kind, not its values);
+  built-in mask or score by its value (``value_token``: its class and numbers, so one made
+  anew at each call is the same signature; ``qkv.causal`` and ``qkv.sliding_window`` hold
+  only numbers and are their own tokens), each tensor in it (document ids, padding lengths,
+  ALiBi slopes) and a bias tensor by identity and version counter, held weakly (an in-place
+  edit of the ids or lengths is a new signature; a freed tensor's token equals nothing made
+  later); a user's score_mod weakly (the decision reads its kind, not its values);
 - the scale, dropout, ``return_lse``, the input's number of dims, the backend asked for;
 - the environment the decision reads: ``QKV_NATIVE``, the dense-memory limit, the number of
   threads.

@@ -28,6 +28,7 @@ from ..._core.kindspec import (
     score_from_spec,
     score_spec,
 )
+from ..._core.lru import LRU
 from ..._core.problem import Problem
 from ..._core.tracing import assume_constant_result, is_symbolic
 from ..._planning.signature import native_setting
@@ -168,8 +169,8 @@ def _problem(
         q=q,
         k=k,
         v=v,
-        mask=_MASKS[ms] if not mt and ms in _MASKS else _kind(ms, mt, _MASKS, mask_from_spec),
-        score=_SCORES[ss] if not st and ss in _SCORES else _kind(ss, st, _SCORES, score_from_spec),
+        mask=_kind(ms, mt, _MASKS, mask_from_spec),
+        score=_kind(ss, st, _SCORES, score_from_spec),
         scale=scale,
         dropout_p=0.0,
         return_lse=True,
@@ -179,18 +180,18 @@ def _problem(
 
 # The kinds of specs without tensors (a window's, a softcap's), parsed once: the operators
 # rebuild their problem at every call of a compiled graph, forward and backward.
-_MASKS: dict[str, MaskKind] = {}
-_SCORES: dict[str, ScoreKind] = {}
-_MAX_SPECS = 256
+_MASKS: LRU[str, MaskKind] = LRU(256)
+_SCORES: LRU[str, ScoreKind] = LRU(256)
 
 
-def _kind(spec: str, tensors: list[Tensor], kept: dict[str, Any], parse: Any) -> Any:
+def _kind(spec: str, tensors: list[Tensor], kept: LRU[str, Any], parse: Any) -> Any:
     """``parse(spec, tensors)``, kept in ``kept`` when the spec holds no tensor."""
-    kind = parse(spec, tensors)
-    if not tensors:
-        if len(kept) >= _MAX_SPECS:
-            kept.clear()
-        kept[spec] = kind
+    if tensors:
+        return parse(spec, tensors)
+    kind = kept.get(spec)
+    if kind is None:
+        kind = parse(spec, tensors)
+        kept.put(spec, kind)
     return kind
 
 
@@ -198,8 +199,7 @@ def _kind(spec: str, tensors: list[Tensor], kept: dict[str, Any], parse: Any) ->
 # windows, prefix-LM), kept by what planning reads: the compiled graph's forward and backward
 # operators then plan once per shape, not at every call (the eager path keeps its plans under
 # the call's signature). Bounded; a graph has few shapes.
-_JOBS: dict[tuple[object, ...], Job] = {}
-_MAX_JOBS = 64
+_JOBS: LRU[tuple[object, ...], Job] = LRU(64)
 _KEPT_MASKS = ("none", "causal", "band(", "prefix(")
 
 
@@ -219,9 +219,7 @@ def _job(p: Problem, ms: str, ss: str) -> Job:
         return job.for_run(call=p)
     job = make_job(p)
     if not job.replan:
-        if len(_JOBS) >= _MAX_JOBS:
-            _JOBS.clear()
-        _JOBS[key] = job.unbound()
+        _JOBS.put(key, job.unbound())
     return job
 
 

@@ -10,12 +10,12 @@ value, so a model calling the same mask in every layer schedules it once.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from ..._core.kinds import band
+from ..._core.lru import LRU
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
 from ...blockmask import BlockMask, build
@@ -203,8 +203,7 @@ def _key_groups(bm: BlockMask, b: int, row_elems: int) -> list[KeyBandGroup]:
 
 # Band plans cached by value: (lo, hi, Lq, Lk, b) -> BlockMask (its schedules cached on it).
 # Only small tile grids are kept (a grid is nq*nk bytes), and only the most recent few.
-_BAND_CACHE: OrderedDict[tuple[Any, ...], BlockMask] = OrderedDict()
-_BAND_CACHE_SIZE = 8
+_BAND_CACHE: LRU[tuple[Any, ...], BlockMask] = LRU(8)
 _BAND_CACHE_CELLS = 1 << 22
 
 
@@ -212,13 +211,10 @@ def _band_block_mask(lo: int | None, hi: int | None, Lq: int, Lk: int, b: int) -
     key = (lo, hi, Lq, Lk, b)
     bm = _BAND_CACHE.get(key)
     if bm is not None:
-        _BAND_CACHE.move_to_end(key)
         return bm
     bm = build(band(lo, hi), (1, 1, Lq, Lk), (True, True), (b, b), torch.device("cpu"))
     if bm.states.numel() <= _BAND_CACHE_CELLS:
-        _BAND_CACHE[key] = bm
-        while len(_BAND_CACHE) > _BAND_CACHE_SIZE:
-            _BAND_CACHE.popitem(last=False)
+        _BAND_CACHE.put(key, bm)
     return bm
 
 

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..._core.builtin_mods import Value
 from ..._core.evaluate import call_mask_mod
 from ..._core.kinds import MaskKind
+from ..._core.kindspec import Unwatched, value_token
+from ..._core.lru import LRU
 from ..._core.tiles import EMPTY, EVAL_BUDGET, PARTIAL
 from ...blockmask import BlockMask, build
 
@@ -49,21 +52,33 @@ class MaskSpec:
 
 def mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> MaskSpec:
     """The kernel's formula for mask ``m`` (see the module docstring). A built-in mask with
-    tensors keeps its formula on the mask object, as its plan (:func:`block_mask_at`): its
+    tensors keeps its formula under its value, as its plan (:func:`block_mask_at`): its
     tensors are copied to the device once, not in every layer's call (a pageable copy to a
     GPU waits for it)."""
     if m.kind == "none":
         return MaskSpec()
-    versions = _tensor_versions(m)
-    if not versions or not hasattr(m.source, "__dict__"):
+    key = _value_key(m, B, Lq, Lk, str(device))
+    if key is None:
         return _mask_spec(m, B, Lq, Lk, device)
-    kept = m.source.__dict__.setdefault("_triton_specs", {})
-    key = (versions, B, Lq, Lk, str(device))
-    if key not in kept:
-        if len(kept) >= 8:
-            kept.clear()
-        kept[key] = _mask_spec(m, B, Lq, Lk, device)
-    return kept[key]
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _mask_spec(m, B, Lq, Lk, device)
+        _SPECS.put(key, spec)
+    return spec
+
+
+# Kernel formulas of built-in masks with tensors (their tensors on the device), by value.
+_SPECS: LRU[tuple[object, ...], MaskSpec] = LRU(64)
+
+
+def _value_key(m: MaskKind, *where: object) -> tuple[object, ...] | None:
+    """``m``'s value (its signature token: numbers, tensors by identity and version) with
+    ``where``, as a cache key; ``None`` for a mask that is not a built-in value throughout."""
+    mod = m.mask_mod
+    token = value_token(mod) if isinstance(mod, Value) else None
+    if token is None or isinstance(token, Unwatched):
+        return None
+    return (token, *where)
 
 
 def _mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> MaskSpec:
@@ -146,65 +161,22 @@ def block_mask_at(
     return _planned(m, shape, block_size, device)
 
 
-# Masks fixed by their values (no tensors): their plans and lists are kept by value, so a
-# model calling qkv.causal or sliding_window(w) in every layer plans once per shape.
-_BY_VALUE: dict[tuple[object, ...], BlockMask] = {}
-_BY_VALUE_MAX = 64
-
-
-def _value_key(m: MaskKind) -> tuple[object, ...] | None:
-    if m.kind in ("none", "causal", "band"):
-        return (m.kind, m.lo, m.hi)
-    if m.kind == "prefix":
-        return (m.kind, m.limit)
-    if m.kind == "and" and all(p.kind in ("causal", "band", "prefix") for p in m.parts):
-        return ("and", *(_value_key(p) for p in m.parts))
-    return None
-
-
-_BUILT_IN = ("padding", "document", "causal", "band", "prefix", "none")
-
-
-def _tensor_versions(m: MaskKind) -> tuple[object, ...] | None:
-    """For a built-in mask holding tensors (padding, documents, their and-combinations): each
-    tensor's storage and in-place version counter, so a plan kept on the mask object is
-    reused only while its tensors are unchanged. ``None`` for any other mask."""
-    parts = m.parts if m.kind == "and" else (m,)
-    if not all(p.kind in _BUILT_IN for p in parts):
-        return None
-    out: list[object] = []
-    for p in parts:
-        for t in (p.limit, p.start, p.ids):
-            if isinstance(t, Tensor):
-                out.append((t.data_ptr(), t._version, tuple(t.shape)))
-    return tuple(out)
+# Tile plans of built-in masks, kept by the mask's value (its signature token: its numbers,
+# and its tensors by identity and in-place version), so a model calling qkv.causal, a window
+# or one padding mask in every layer plans it once per shape; the least recently used goes.
+_PLANS: LRU[tuple[object, ...], BlockMask] = LRU(64)
 
 
 def _planned(
     m: MaskKind, shape: tuple[int, int, int, int], block_size: tuple[int, int], device: torch.device
 ) -> BlockMask:
-    vk = _value_key(m)
-    key = None if vk is None else (vk, shape[2], shape[3], block_size, str(device))
-    if key is not None and key in _BY_VALUE:
-        return _BY_VALUE[key]
-    # A built-in mask with tensors is kept on the mask object itself: qkv.hf (and any model
-    # passing one mask to every layer) plans it once per forward, not once per layer.
-    versions = _tensor_versions(m) if key is None else None
-    kept: dict[tuple[object, ...], BlockMask] | None = None
-    if versions is not None and hasattr(m.source, "__dict__"):
-        kept = m.source.__dict__.setdefault("_triton_plans", {})
-        okey = (versions, shape, block_size, str(device))
-        if okey in kept:
-            return kept[okey]
-    bm = build(m, shape, (False, False), block_size, device)
-    if kept is not None:
-        if len(kept) >= 8:
-            kept.clear()
-        kept[okey] = bm
-    if key is not None:
-        if len(_BY_VALUE) >= _BY_VALUE_MAX:
-            _BY_VALUE.pop(next(iter(_BY_VALUE)))
-        _BY_VALUE[key] = bm
+    key = _value_key(m, shape, block_size, str(device))
+    if key is None:  # a user's mod in it (or a bool tensor): planned at each call
+        return build(m, shape, (False, False), block_size, device)
+    bm = _PLANS.get(key)
+    if bm is None:
+        bm = build(m, shape, (False, False), block_size, device)
+        _PLANS.put(key, bm)
     return bm
 
 
