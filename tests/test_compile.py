@@ -24,6 +24,7 @@ import torch._dynamo.testing
 
 import qkv
 from catalogue import LAYOUTS, Shape, lay_out, make_qkv
+from qkv._core.lru import LRU
 from qkv_testing import plain_attention
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-inductor-"))
@@ -772,7 +773,7 @@ def test_the_operators_plan_a_mask_without_tensors_once_per_shape(monkeypatch, n
         return real(*a, **kw)
 
     monkeypatch.setattr(compiled, "make_job", counted)
-    monkeypatch.setattr(compiled, "_JOBS", {})
+    monkeypatch.setattr(compiled, "_JOBS", LRU(64))
     mask = {"prefix_lm": qkv.prefix_lm(40), "window": qkv.sliding_window(40)}[name]
     fn = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
     for gen in (20, 21, 22):
@@ -817,3 +818,23 @@ def test_a_padding_mask_under_the_default_compile_breaks_no_graph():
     mask = qkv.padding(torch.tensor([195]))
     explained = torch._dynamo.explain(qkv.attention)(q, k, v, mask=mask)
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("mask", ["window", "document"])
+def test_a_mask_over_growing_lengths_compiles_at_most_twice(mask: str):
+    """Four lengths that cross the dense limit (8 heads: 160² x 8 is under 2^20 scores, 376²
+    x 8 over): the first compile is static, the second dynamic, and that one graph serves
+    the rest. Asking the size (small enough for the plain formula?) or splitting the band
+    kernel's work by it specialised the graph: 3 compiles before."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(qkv.attention, backend=counter, fullgraph=True)
+    for L in (160, 232, 304, 376):
+        m = qkv.sliding_window(16) if mask == "window" else qkv.document(torch.arange(L) // 50)
+        q, k, v = make_qkv(Shape(1, 8, 8, L, L, 32), gen=L, requires_grad=True)
+        out = f(q, k, v, mask=m)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(qkv.attention(q, k, v, mask=m).sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2, f"{counter.frame_count} graphs for 4 lengths"

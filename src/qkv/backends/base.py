@@ -158,6 +158,17 @@ DENSE_LIMIT = {"bytes": 1 << 30}
 # n = 512 and more beyond), and under torch.compile to the plain formula, which traces.
 SMALL_DENSE = 1 << 20
 
+
+def small_grid(p: Problem) -> bool:
+    """Whether ``p``'s score grid (``B*Hq*Lq*Lk``) has at most :data:`SMALL_DENSE` entries. A
+    symbolic size (torch.compile with dynamic shapes) answers False without asking: asking
+    would guard on the size, and a graph whose length grows past the limit would compile
+    again (a window over lengths 160-376 at 8 heads compiled 3 times); the engine's operator
+    then takes every length of that graph."""
+    n = p.B * p.Hq * p.Lq * p.Lk
+    return not is_symbolic(n) and n <= SMALL_DENSE
+
+
 # Beyond this |logit| a backward that recomputes the scores and exponentiates them against a
 # float32 lse (torch's fused SDPA backward, the Triton kernels') loses whole digits: at
 # logits of ~1e4 its gradients were up to 1e5x plain float32 autograd's error (

@@ -9,7 +9,7 @@ import torch
 
 from .. import reference
 from .._core.problem import Problem
-from .base import DENSE_LIMIT, SMALL_DENSE, Backend, Route, score_bytes
+from .base import DENSE_LIMIT, Backend, Route, score_bytes, small_grid
 
 Tensor = torch.Tensor
 
@@ -37,7 +37,7 @@ class ReferenceBackend(Backend):
         # route), and only a problem whose single row passes it takes the graph break.
         if not torch.compiler.is_compiling():
             return None
-        if p.B * p.Hq * p.Lq * p.Lk <= SMALL_DENSE:
+        if small_grid(p):
             return (
                 "under torch.compile the plain formula traces into one graph; blocksparse "
                 "would plan tiles for a problem this small"

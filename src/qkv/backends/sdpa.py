@@ -16,7 +16,6 @@ from .._core.dense import dense_mask
 from .._core.problem import Problem
 from .base import (
     HUGE_LOGIT,
-    SMALL_DENSE,
     Backend,
     Kernel,
     Route,
@@ -25,6 +24,7 @@ from .base import (
     imprecise_backward,
     logit_bound,
     score_bytes,
+    small_grid,
 )
 
 Tensor = torch.Tensor
@@ -59,12 +59,12 @@ class SdpaBackend(Backend):
 
     def auto_skip(self, p: Problem) -> str | None:
         masked = p.mask.kind not in ("none", "causal")
-        if p.mask.block is not None and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE:
+        if p.mask.block is not None and not small_grid(p):
             return (
                 "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
                 "use the plan (a masked problem this size would run on a dense [Lq, Lk] mask)"
             )
-        if masked and p.B * p.Hq * p.Lq * p.Lk > SMALL_DENSE:
+        if masked and not small_grid(p):
             return (
                 "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
                 "blocksparse skips the hidden blocks"
