@@ -2,7 +2,9 @@
 
 The shape of a layer in a small model (B=4, H=4, L=48, D=32) with a document, a padding, a
 sliding-window mask and a user's mask_mod, each mask object reused across calls as a model's
-layers reuse it. qkv and the peer run interleaved, round by round, in one process; each
+layers reuse it, and (built-ins) made anew inside every call, as a model's ``forward`` writes
+``mask=qkv.sliding_window(w)``: an equal mask is the same signature, so it must cost what the
+kept one costs. qkv and the peer run interleaved, round by round, in one process; each
 figure is the median over rounds of the per-round ratio (qkv time / SDPA time), forward
 only, no gradient.
 
@@ -49,31 +51,50 @@ def main() -> None:
     q, k, v = (torch.randn(B, H, L, D, generator=gen) for _ in range(3))
     idx = [torch.arange(n).view(*s) for n, s in ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)))]
     idx += [torch.arange(L).view(1, 1, L, 1), torch.arange(L).view(1, 1, 1, L)]
-    masks = {
-        "document": qkv.document(torch.arange(L) // 16),
-        "padding": qkv.padding(torch.tensor([40, 48, 30, 20])),
-        "window": qkv.sliding_window(8),
+    ids, lengths = torch.arange(L) // 16, torch.tensor([40, 48, 30, 20])
+    # (name, the mask kept, the mask made anew at each call as a model's forward writes it)
+    masks: list[tuple[str, object, Callable[[], object] | None]] = [
+        ("document", qkv.document(ids), lambda: qkv.document(ids)),
+        ("padding", qkv.padding(lengths), lambda: qkv.padding(lengths)),
+        ("window", qkv.sliding_window(8), lambda: qkv.sliding_window(8)),
         # a user's mask_mod: its decision is kept, its mask evaluated at every call
-        "mask_mod": lambda b, h, qi, ki: (qi // 16) == (ki // 16),
-    }
-    for name, mask in masks.items():
-        dense = mask(*idx)  # the same mask as SDPA takes it: bool, broadcastable
-        ours = lambda m=mask: qkv.attention(q, k, v, mask=m)  # noqa: E731
-        peer = lambda d=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=d)  # noqa: E731
-        assert torch.allclose(ours(), peer(), atol=1e-5)
-        for f in (ours, peer):
+        ("mask_mod", lambda b, h, qi, ki: (qi // 16) == (ki // 16), None),
+    ]
+    print(
+        "  (ratios: medians over rounds of the per-round ratio; inline = the mask made in the call)"
+    )
+    for name, mask, make in masks:
+        dense = mask(*idx)  # type: ignore[operator]  # the same mask as SDPA takes it
+        fns: dict[str, Callable[[], object]] = {
+            "kept": lambda m=mask: qkv.attention(q, k, v, mask=m),
+            "sdpa": lambda d=dense: F.scaled_dot_product_attention(q, k, v, attn_mask=d),
+        }
+        if make is not None:
+            fns["inline"] = lambda make=make: qkv.attention(q, k, v, mask=make())
+        for f in fns.values():
+            assert torch.allclose(f(), fns["sdpa"](), atol=1e-5)  # type: ignore[arg-type]
             _per_call(f, 50)  # warm-up (and the first, planning, call)
-        ratios, a, b = [], [], []
+        times: dict[str, list[float]] = {n: [] for n in fns}
         for _ in range(args.rounds):
-            ta, tb = _per_call(ours, args.calls), _per_call(peer, args.calls)
-            a.append(ta)
-            b.append(tb)
-            ratios.append(ta / tb)
+            for n, f in fns.items():
+                times[n].append(_per_call(f, args.calls))
+
+        def ratio(a: str, b: str, times: dict[str, list[float]] = times) -> float:
+            return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
         backend = qkv.plan(q, k, v, mask=mask).backend
-        print(
-            f"  {name:<9} qkv ({backend}) {statistics.median(a) * 1e6:6.0f} us  SDPA dense "
-            f"{statistics.median(b) * 1e6:6.0f} us  ratio {statistics.median(ratios):.2f}"
+        med = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+        line = (
+            f"  {name:<9} qkv ({backend}) kept {med['kept']:6.0f} us  SDPA dense "
+            f"{med['sdpa']:6.0f} us  kept/sdpa {ratio('kept', 'sdpa'):.2f}"
         )
+        if "inline" in times:
+            line += (
+                f"  inline {med['inline']:6.0f} us  inline/kept {ratio('inline', 'kept'):.3f}"
+                f"  inline/sdpa {ratio('inline', 'sdpa'):.2f}"
+            )
+        print(line)
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

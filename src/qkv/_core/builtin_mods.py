@@ -45,10 +45,17 @@ class Value:
             return True
         if type(other) is not type(self):
             return NotImplemented
+        if self.plain:  # numbers only: a tuple compare (a repeat call's lookup makes one)
+            return self.params() == other.params()
         return _same(self.params(), other.params())
 
     def __hash__(self) -> int:
-        return hash((type(self), _identities(self.params())))
+        # computed once: a value never changes, and a repeat call hashes its mask's token
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            p = self.params()
+            h = self.__dict__["_hash"] = hash((type(self), p if self.plain else _identities(p)))
+        return h
 
 
 def _same(a: object, b: object) -> bool:
