@@ -41,19 +41,26 @@ from torch import nn
 
 Tensor = torch.Tensor
 
-__all__ = ["Int8Linear", "kernel", "quantize_linears", "quantize_rows"]
+__all__ = [
+    "Int8Linear",
+    "fbgemm_exact",
+    "kernel",
+    "pack_int8",
+    "quantize_linears",
+    "quantize_rows",
+]
 
 KERNELS = ("fbgemm", "dequantized")
 
 
 @functools.cache
-def _fbgemm_exact() -> bool:
+def fbgemm_exact() -> bool:
     """Whether FBGEMM's dynamic int8 product is exact where int16 pair sums would saturate:
     an input quantised to 255 everywhere times weights of 127 (the exact answer 64 * 127)."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return False
     q = torch.full((4, 64), 127, dtype=torch.int8)
-    packed = _quiet_pack(q, torch.ones(4), None)
+    packed = pack_int8(q, torch.ones(4), None)
     x = torch.ones(2, 64)
     x[1] = 0  # the input's range is [0, 1]: a scale of 1/255, so every 1 becomes 255
     try:
@@ -74,7 +81,7 @@ def kernel() -> str:
         if forced == "fbgemm" and "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ValueError("QKV_INT8_KERNEL=fbgemm but this torch has no FBGEMM engine")
         return forced
-    return "fbgemm" if _fbgemm_exact() else "dequantized"
+    return "fbgemm" if fbgemm_exact() else "dequantized"
 
 
 def _pack(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> Any:
@@ -85,7 +92,9 @@ def _pack(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> Any:
     return torch.ops.quantized.linear_prepack(q, bias)
 
 
-def _quiet_pack(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> Any:
+def pack_int8(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> Any:
+    """FBGEMM's packed weights for ``torch.ops.quantized.linear_dynamic``: ``qweight`` int8
+    ``[N, K]`` with per-row ``scale`` ``[N]`` (zero points 0) and float ``bias`` ``[N]``."""
     # torch 2.13 warns that quantized tensor creation is deprecated; the qint8 tensor is only
     # FBGEMM's packing input here, dropped once packed, and no user code sees it.
     engine = torch.backends.quantized.engine
@@ -164,9 +173,11 @@ class Int8Linear(nn.Module):
             f"bias={self.bias is not None}, kernel={self.kernel}"
         )
 
-    def _state(self) -> tuple[Any, ...]:
-        ts = [t for t in (self.qweight, self.scale, self.bias) if t is not None]
-        return tuple((t.data_ptr(), t.device, t.dtype, _version(t)) for t in ts)
+    def _state(self) -> tuple[int, ...]:
+        # where each buffer lives and how often it was written: a move or a load_state_dict
+        # changes one of them (cheap: the check runs at every call, ~1 us)
+        ts = (self.qweight, self.scale, self.bias)
+        return tuple(f(t) for t in ts if t is not None for f in (Tensor.data_ptr, _version))
 
     def _prepare(self) -> None:
         """FBGEMM's packed weights, or the dequantised float32 weight, from the buffers."""
@@ -178,25 +189,19 @@ class Int8Linear(nn.Module):
         if self.qweight.dtype != torch.int8:
             raise TypeError(f"Int8Linear's qweight must stay int8, got {self.qweight.dtype}")
         if self.kernel == "fbgemm":
-            self._packed = _quiet_pack(self.qweight, self.scale, self.bias)
+            self._packed = pack_int8(self.qweight, self.scale, self.bias)
         else:
             self._packed = self.weight  # [N, K] float32, dequantised once
         self._key = self._state()
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, Tensor) or x.dtype != torch.float32:
-            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
-            raise TypeError(f"Int8Linear takes float32 input, got {got}; convert with x.float()")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"input has width {x.shape[-1]} (shape {list(x.shape)}) but this layer takes "
-                f"in_features={self.in_features}"
-            )
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise ValueError(
-                "Int8Linear is for inference: its input requires grad; run it under "
-                "torch.no_grad() or use the float32 model for training"
-            )
+        if (
+            not isinstance(x, Tensor)
+            or x.dtype != torch.float32
+            or x.shape[-1] != self.in_features
+            or (x.requires_grad and torch.is_grad_enabled())
+        ):
+            self._refuse(x)
         if self._key != self._state():  # the buffers were written (load_state_dict) or moved
             self._prepare()
         if self.kernel != "fbgemm":
@@ -205,8 +210,23 @@ class Int8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(x2.contiguous(), self._packed, False)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)  # [..., N]
 
+    def _refuse(self, x: object) -> None:
+        if not isinstance(x, Tensor) or x.dtype != torch.float32:
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"Int8Linear takes float32 input, got {got}; convert with x.float()")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has width {x.shape[-1]} (shape {list(x.shape)}) but this layer takes "
+                f"in_features={self.in_features}"
+            )
+        raise ValueError(
+            "Int8Linear is for inference: its input requires grad; run it under "
+            "torch.no_grad() or use the float32 model for training"
+        )
+
 
 def _version(t: Tensor) -> int:
+    """How often ``t`` was written (-1 for an inference tensor, which keeps no count)."""
     return -1 if t.is_inference() else t._version  # (inference tensors have no counter)
 
 

@@ -35,7 +35,7 @@ from ...cross_cache import CrossKVCache
 from ...functional import attention
 from ...masks import causal
 from ...modules import MultiHeadAttention
-from ..int8 import Int8Linear
+from ..int8 import Int8Linear, _version
 
 Tensor = torch.Tensor
 
@@ -238,7 +238,9 @@ class WhisperDecoder(nn.Module):
         ):
             a, c, m = layer.self_attention, layer.cross_attention, layer.mlp
             H, D = a.n_heads, a.head_dim
-            q, k, v = qkv_proj(_norm(layer.self_norm, x)).view(3, 1, H, 1, D)
+            h = _norm(layer.self_norm, x)
+            qkv_ = qkv_proj.forward(h) if isinstance(qkv_proj, Int8Linear) else qkv_proj(h)
+            q, k, v = qkv_.view(3, 1, H, 1, D)
             kb, vb, ck, cv = cache._k, cache._v, cross._k, cross._v
             assert kb is not None and vb is not None and ck is not None and cv is not None
             kb[:, :, n].copy_(k[:, :, 0])
@@ -269,8 +271,10 @@ class WhisperDecoder(nn.Module):
             )
         ]
         ps = [p for lin in lins for p in _tensors(lin)]
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in ps)
-        if getattr(self, "_fused_key", None) != key:  # (p._version: load_state_dict writes)
+        # where each tensor lives and how often it was written (a move, a dtype change or a
+        # load_state_dict changes one of them)
+        key = tuple(f(p) for p in ps for f in (Tensor.data_ptr, _version))
+        if getattr(self, "_fused_key", None) != key:
             self._fused_qkv = [_concat(lins[i : i + 3]) for i in range(0, len(lins), 3)]
             self._fused_key = key
         return self._fused_qkv
@@ -290,7 +294,7 @@ def _norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
 def _linear(lin: nn.Module, x: Tensor) -> Tensor:
     if type(lin) is nn.Linear:  # F.linear directly: no module call (~10 us each, 28 a token)
         return F.linear(x, lin.weight, lin.bias)
-    return cast("Tensor", lin(x))  # an Int8Linear
+    return cast("Tensor", lin.forward(x))  # an Int8Linear (hooks: none, by can_step)
 
 
 def _tensors(lin: nn.Module) -> list[Tensor]:
