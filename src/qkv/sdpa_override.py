@@ -149,7 +149,9 @@ def override_sdpa(fn: Callable[..., Any] | None = None) -> Any:
     Works for code that looks the function up when it calls it (``F.scaled_dot_product_attention``
     or ``torch.nn.functional.scaled_dot_product_attention``): ``nn.MultiheadAttention``,
     ``nn.TransformerEncoderLayer`` / ``DecoderLayer``, transformers' ``sdpa`` attention,
-    nanoGPT, timm and diffusers blocks. A module that bound the name earlier
+    nanoGPT, timm and diffusers blocks: each call's ``query [..., Hq, Lq, D]``, ``key
+    [..., Hkv, Lk, D]`` and ``value [..., Hkv, Lk, Dv]`` give ``[..., Hq, Lq, Dv]`` as with
+    torch's function. A module that bound the name earlier
     (``from torch.nn.functional import scaled_dot_product_attention`` at import) keeps torch's.
 
     - Restores torch's function when the last open override closes, also on an exception.
