@@ -51,6 +51,12 @@ from torch.testing._internal.common_utils import (
 
 import qkv
 
+# qkv: importing torch.testing._internal.common_utils calls torch.backends.disable_global_flags()
+# for the whole process (pytest runs every qkv test in this process, and collects this file
+# first): setting torch.backends.mkldnn/cudnn flags by assignment would then raise elsewhere.
+# Undo it; no test kept here relies on it.
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
 # qkv: torch's function, kept for the references; the name the upstream file imports from
 # torch.nn.functional is qkv's.
 _TORCH_SDPA = F.scaled_dot_product_attention
@@ -924,7 +930,7 @@ instantiate_device_type_tests(TestAttnBias, globals(), only_for="cpu")
 
 
 # qkv: `make test` runs a quick subset (every test function, fewer parameter combinations:
-# about 30 s on 2 cores); the rest is marked `extended` and runs in `make test-all`.
+# about 20 s on 2 cores); the rest is marked `extended` and runs in `make test-all`.
 def _quick(name):
     if "fused_attention_vs_math_cpu" in name:
         return "batch_size_2_seq_len_267_" in name
