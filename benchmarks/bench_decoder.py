@@ -12,6 +12,18 @@ interleaved round by round, medians of the per-round ratios:
 
     python benchmarks/bench_decoder.py                     # all three, 2 threads
     python benchmarks/bench_decoder.py --only decode --rounds 3
+
+``--peer llama.cpp`` measures qkv against llama.cpp instead (llama-cpp-python's ctypes
+binding over a llama.cpp built from source; it is a benchmark-time peer only): the same
+SmolLM2 Q4_1 GGUF file, the same prompt token ids, greedy, 64 and 256 new tokens after a 16-
+and a 512-token prompt, at 1 and 2 threads, the two interleaved round by round. Prefill
+tokens/s (prompt tokens / time to the first new token) and decode tokens/s (the other new
+tokens / their time), llama.cpp's both as its own counters give them (``llama_perf_context``:
+time inside ``llama_decode``) and as wall time through the binding (the argmax included); the
+new tokens compared one by one.
+
+    pip install llama-cpp-python   # builds llama.cpp with cmake; or a build on PYTHONPATH
+    python benchmarks/bench_decoder.py --peer llama.cpp [--rounds 3]
 """
 
 from __future__ import annotations
@@ -141,14 +153,137 @@ def prefill(args: argparse.Namespace) -> None:
     print(f"    qkv / sdpa time: {_median_ratio(ours_s, peer_s):.2f}x")
 
 
+class _LlamaCpp:
+    """Greedy decoding on llama.cpp through llama-cpp-python, timed."""
+
+    def __init__(self, threads: int, n_ctx: int) -> None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise SystemExit(
+                f"--peer llama.cpp needs llama-cpp-python ({e}): `pip install llama-cpp-python` "
+                f"(it builds llama.cpp with cmake), or a source build on PYTHONPATH"
+            ) from None
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(
+            str(smollm2_gguf()),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=n_ctx,
+            n_batch=512,
+            verbose=False,
+        )
+        self.n_vocab = self.llm.n_vocab()
+
+    def _next(self) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def greedy(self, ids: list[int], n: int) -> tuple[list[int], dict[str, float]]:
+        """``n`` new tokens after ``ids``; times: prefill and decode, wall and native."""
+        llm, lib = self.llm, self.lib
+        llm.reset()
+        lib.llama_perf_context_reset(llm._ctx.ctx)
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        out = [self._next()]
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([out[-1]])
+            out.append(self._next())
+        t2 = time.perf_counter()
+        perf = lib.llama_perf_context(llm._ctx.ctx)
+        assert perf.n_eval == n - 1, (perf.n_eval, n)
+        return out, {
+            "prefill": len(ids) / (t1 - t0),
+            "decode": (n - 1) / (t2 - t1),
+            "prefill_native": perf.n_p_eval / (perf.t_p_eval_ms / 1e3),
+            "decode_native": perf.n_eval / (perf.t_eval_ms / 1e3),
+        }
+
+
+def _prompt_of(model: Any, n: int) -> tuple[str, list[int]]:
+    """A prompt text of about ``n`` tokens and qkv's ids for it (what both models get)."""
+    ids = model._ids(" ".join([PROMPT] * (n // 20 + 1)))[:n]
+    text = model.decode(ids)
+    return text, model._ids(text)
+
+
+def llama_cpp_peer(args: argparse.Namespace) -> None:
+    model = qkv.models.load("smollm2")
+    print(
+        f"qkv vs llama.cpp: greedy, batch 1, {args.rounds} interleaved rounds, medians; "
+        f"tokens/s (llama.cpp: its own counters / wall through the binding)"
+    )
+    print(
+        "| threads | prompt | new | qkv prefill | llama.cpp prefill | qkv / llama.cpp "
+        "| qkv decode | llama.cpp decode | qkv / llama.cpp | same tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for threads in args.threads_list:
+        torch.set_num_threads(threads)
+        peer = _LlamaCpp(threads, n_ctx=1024)
+        for length in (16, 512):
+            text, ids = _prompt_of(model, length)
+            for n in (64, 256):
+                ours: dict[str, list[float]] = {"prefill": [], "decode": []}
+                theirs: dict[str, list[float]] = {k: [] for k in _KEYS}
+                with torch.inference_mode():
+                    model.generate(text, max_new_tokens=4)  # warm-up
+                    peer.greedy(ids, 4)
+                    for _ in range(args.rounds):
+                        model.generate(text, max_new_tokens=n)
+                        st = model.last_stats
+                        ours["prefill"].append(st.prompt_tokens_per_s)
+                        ours["decode"].append(st.decode_tokens_per_s)
+                        mine = model.last_tokens[0]
+                        tokens, rates = peer.greedy(ids, n)
+                        for k in _KEYS:
+                            theirs[k].append(rates[k])
+                assert st.prompt_tokens == len(ids), (st.prompt_tokens, len(ids))
+                k = min(len(mine), len(tokens))
+                first = next((i for i in range(k) if mine[i] != tokens[i]), None)
+                same = (f"all {k}" if first is None else f"first {first} of {k} (then differ)") + (
+                    "" if len(mine) == n else f"; qkv ended at {len(mine)}"
+                )
+
+                pre, dec = _cells(ours, theirs, "prefill"), _cells(ours, theirs, "decode")
+                print(
+                    f"| {threads} | {len(ids)} | {n} | "
+                    f"{statistics.median(ours['prefill']):.0f} | {pre[0]} | {pre[1]} | "
+                    f"{statistics.median(ours['decode']):.1f} | {dec[0]} | {dec[1]} | {same} |"
+                )
+
+
+_KEYS = ("prefill", "decode", "prefill_native", "decode_native")
+
+
+def _cells(ours: dict, theirs: dict, kind: str) -> tuple[str, str]:
+    """llama.cpp's rate (its counters / wall) and qkv's ratio to each, medians."""
+    m = statistics.median
+    return (
+        f"{m(theirs[kind + '_native']):.0f} / {m(theirs[kind]):.0f}",
+        f"{_median_ratio(ours[kind], theirs[kind + '_native']):.2f} / "
+        f"{_median_ratio(ours[kind], theirs[kind]):.2f}",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--peer", choices=["transformers", "llama.cpp"], default="transformers")
+    ap.add_argument("--threads-list", type=int, nargs="+", default=[1, 2], help="llama.cpp")
     ap.add_argument("--only", choices=["load", "decode", "prefill"], action="append")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.peer == "llama.cpp":
+        print(f"machine: {describe()}")
+        llama_cpp_peer(args)
+        return
     torch.set_num_threads(args.threads)
     print(f"machine: {describe()}; {args.threads} threads")
     for part in args.only or ["load", "decode", "prefill"]:

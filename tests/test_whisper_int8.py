@@ -109,6 +109,19 @@ def test_int8_linear_follows_its_buffers() -> None:
     assert set(a.state_dict()) == {"qweight", "scale", "bias"}
 
 
+def test_int8_linear_made_under_inference_mode() -> None:
+    """Buffers made under torch.inference_mode keep no write count; the layer still runs."""
+    lin = nn.Linear(16, 4)
+    with torch.inference_mode():
+        layer = Int8Linear.from_float(lin)
+        x = torch.randn(2, 16)
+        y = layer(x)
+        exact = torch.nn.functional.linear(x, layer.weight, layer.bias)  # [2, 4]
+        bound = _input_step(x) / 2 * layer.weight.abs().sum(1) * 1.001 + 1e-4  # [4]
+        assert ((y - exact).abs() <= bound).all()
+    assert y.shape == (2, 4) and layer.qweight.is_inference()
+
+
 def test_quantize_rows_and_linears() -> None:
     w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]])
     q, scale = quantize_rows(w)
