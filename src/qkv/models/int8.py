@@ -173,11 +173,11 @@ class Int8Linear(nn.Module):
             f"bias={self.bias is not None}, kernel={self.kernel}"
         )
 
-    def _state(self) -> tuple[int, ...]:
-        # where each buffer lives and how often it was written: a move or a load_state_dict
-        # changes one of them (cheap: the check runs at every call, ~1 us)
+    def _state(self) -> tuple[object, ...]:
+        # where each buffer lives, its dtype and how often it was written: a move, a
+        # conversion or a load_state_dict changes one of them (a few us at every call)
         ts = (self.qweight, self.scale, self.bias)
-        return tuple(f(t) for t in ts if t is not None for f in (Tensor.data_ptr, _version))
+        return tuple(f(t) for t in ts if t is not None for f in (Tensor.data_ptr, _version, _dtype))
 
     def _prepare(self) -> None:
         """FBGEMM's packed weights, or the dequantised float32 weight, from the buffers."""
@@ -223,6 +223,10 @@ class Int8Linear(nn.Module):
             "Int8Linear is for inference: its input requires grad; run it under "
             "torch.no_grad() or use the float32 model for training"
         )
+
+
+def _dtype(t: Tensor) -> torch.dtype:
+    return t.dtype
 
 
 def _version(t: Tensor) -> int:

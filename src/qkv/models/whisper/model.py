@@ -35,7 +35,7 @@ from ...cross_cache import CrossKVCache
 from ...functional import attention
 from ...masks import causal
 from ...modules import MultiHeadAttention
-from ..int8 import Int8Linear, _version
+from ..int8 import Int8Linear
 
 Tensor = torch.Tensor
 
@@ -271,9 +271,11 @@ class WhisperDecoder(nn.Module):
             )
         ]
         ps = [p for lin in lins for p in _tensors(lin)]
-        # where each tensor lives and how often it was written (a move, a dtype change or a
-        # load_state_dict changes one of them)
-        key = tuple(f(p) for p in ps for f in (Tensor.data_ptr, _version))
+        # where each tensor lives and how often it was written (load_state_dict writes);
+        # an inference tensor keeps no count (a model loaded under torch.inference_mode)
+        key = tuple(
+            (p.data_ptr(), -1 if p.is_inference() else p._version, p.dtype, p.device) for p in ps
+        )
         if getattr(self, "_fused_key", None) != key:
             self._fused_qkv = [_concat(lins[i : i + 3]) for i in range(0, len(lins), 3)]
             self._fused_key = key
