@@ -237,6 +237,8 @@ def test_int8_load_refuses_what_it_cannot_do() -> None:
         qkv.models.load("whisper-tiny.en", compute_type="int8", dtype=torch.float16)
     with pytest.raises(ValueError, match="compute_type='int8' is for Whisper models"):
         qkv.models.load(compute_type="int8")
+    with pytest.raises(ValueError, match=r"runs on the CPU .* not device='meta'"):
+        qkv.models.load("whisper-tiny.en", compute_type="int8", device="meta")
 
 
 @pytest.mark.parametrize("name", CLIPS)

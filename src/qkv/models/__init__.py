@@ -188,6 +188,11 @@ def load(
 
     if not is_whisper_folder(p):
         _check_float32_only(compute_type, path)
+    elif compute_type != "float32" and device is not None and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"compute_type={compute_type!r} runs on the CPU (FBGEMM's int8 product), not "
+            f"device={str(device)!r}; use compute_type='float32' there"
+        )
     if is_whisper_folder(p):
         model = load_ct2(p, dtype=dtype, compute_type=compute_type)
     elif p.suffix == ".gguf" or _starts_like_gguf(p):
