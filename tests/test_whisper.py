@@ -353,3 +353,30 @@ def test_light_argmax_equals_the_exact_argmax(int8: bool) -> None:
     full = states.double() @ w.double().T  # [40, V]
     full[:, suppressed] = -torch.inf
     assert got == full.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_light_no_speech_decision_equals_the_exact_softmax(int8: bool) -> None:
+    """``prob_above`` decides ``softmax(logits)[i] > t`` as the float64 softmax does, or
+    declines (None) where its bounds straddle the threshold; never the wrong way."""
+    from qkv.models.whisper._light import LightLogits, _int8_works
+
+    if int8 and not _int8_works():
+        pytest.skip("this torch has no CPU aten::_weight_int8pack_mm")
+    torch.manual_seed(0)
+    w = torch.randn(5003, 384) * 0.05
+    light = LightLogits(w, int8=int8)
+    for scale in (0.5, 3.0, 30.0, 120.0):  # from flat to peaked softmaxes
+        states = torch.randn(16, 384) * scale
+        for s in states:
+            p = (w.double() @ s.double()).softmax(-1)  # [V]
+            i = int(p.argmax())
+            for t in (0.6, float(p[i]) * 0.999, float(p[i]) * 1.001):
+                got = light.prob_above(s, i, min(t, 0.999))
+                assert got is None or got == (float(p[i]) > min(t, 0.999)), (scale, p[i], t)
+            if scale == 0.5:  # a flat softmax (p ~ 1/V) is far below 0.6: decided
+                assert float(p[i]) < 0.01 and light.prob_above(s, i, 0.6) is False
+    # a probability exactly at the threshold is never decided
+    s = torch.randn(384)
+    p = float((w.double() @ s.double()).softmax(-1)[7])
+    assert light.prob_above(s, 7, p) is None

@@ -9,6 +9,13 @@ That is the argmax of the exact logits, which the float32 product's ``argmax`` a
 unless two logits are within its rounding (~1e-6) of each other, where the float32 answer
 depends on summation order.
 
+The same bounds decide whether one token's softmax probability is above a threshold (the
+no-speech test after <|startoftranscript|>): the probability lies between
+``exp(a_i - b_i - logsumexp(a + b))`` and ``exp(a_i + b_i - logsumexp(a - b))`` for approximate
+logits ``a`` and bounds ``b``; only where that interval holds the threshold does the caller
+need the full product (one window's greedy decoding, int8 model, one thread: 240.5 -> 222.4
+ms, 9 interleaved rounds).
+
 The copy is int8 with one scale per row (20 MB, through ``aten::_weight_int8pack_mm`` with
 bfloat16 activations) where this torch has the operator, else float16 (40 MB). One thread,
 tiny.en, the product alone: float32 9.8 ms, float16 5.7 ms, int8 2.8 ms (measured on the
@@ -16,6 +23,8 @@ AVX2 machine of benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -66,10 +75,8 @@ class LightLogits:
             self.w16 = weight.detach().half()
             self.norms = self.w16.float().norm(dim=1)  # [V]
 
-    def argmax(self, state: Tensor, suppressed: Tensor) -> int:
-        """The argmax of the logits of ``state [d]`` with ``suppressed`` ids (``[n]`` int64)
-        set to -inf: ``(weight.double() @ state.double())`` masked, then ``argmax``."""
-        s = state.detach()
+    def _approx(self, s: Tensor) -> tuple[Tensor, Tensor]:
+        """Approximate logits of ``s [d]`` and a bound on each one's error, both ``[V]``."""
         if self.int8:
             x = s.to(torch.bfloat16)  # |x - s| <= 2^-9 |s|
             approx = torch.ops.aten._weight_int8pack_mm(x[None], self.q, self.scale)[0].float()
@@ -88,6 +95,27 @@ class LightLogits:
             # float16 rounds x and the product to 11 bits: |error| <= 2^-11 (|x||w_j| + |y_j|),
             # taken twice over, plus float32 accumulation (far below 1e-3)
             bound = 2.0**-10 * (s.norm() * self.norms + approx.abs()) + 1e-3
+        return approx, bound
+
+    def prob_above(self, state: Tensor, index: int, threshold: float) -> bool | None:
+        """Whether ``softmax(weight @ state)[index] > threshold`` (exact logits, no
+        suppression), where the light logits' bounds decide it; None where they do not."""
+        a, b = (t.double() for t in self._approx(state.detach()))
+        # l in [a - b, b + a]: p = exp(l_i - logsumexp(l)) lies between these two
+        high = float(a[index] + b[index] - torch.logsumexp(a - b, 0))
+        low = float(a[index] - b[index] - torch.logsumexp(a + b, 0))
+        log_t = math.log(threshold)
+        if low > log_t + 1e-9:
+            return True
+        if high < log_t - 1e-9:
+            return False
+        return None
+
+    def argmax(self, state: Tensor, suppressed: Tensor) -> int:
+        """The argmax of the logits of ``state [d]`` with ``suppressed`` ids (``[n]`` int64)
+        set to -inf: ``(weight.double() @ state.double())`` masked, then ``argmax``."""
+        s = state.detach()
+        approx, bound = self._approx(s)
         approx[suppressed] = -torch.inf
         cand = (approx + bound >= (approx - bound).max()).nonzero()[:, 0]  # ascending ids
         if self.int8 and cand.numel() > 64:  # (hundreds: loose bounds): narrowed in float32

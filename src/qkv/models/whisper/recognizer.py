@@ -130,25 +130,30 @@ class SpeechRecognizer(nn.Module):
         caches = dec.new_caches()
         states, _ = dec.states(torch.tensor([prompt]), audio, caches=caches)  # [1, P, d]
         sot_at = prompt.index(tok.sot)
-        first = dec.logits(states[0, [sot_at, -1]])  # [2, vocab]
-        no_speech = float(first[0].softmax(-1)[tok.no_speech])
-        logits = first[1]
+        # Whether the no-speech token's probability after <|startoftranscript|> is above
+        # NO_SPEECH, from the light logits' bounds where they decide it (the full float32
+        # product over the 51864 x 384 embedding, ~15-30 ms a window, where they do not).
+        maybe_silent = self._light_logits().prob_above(states[0, sot_at], tok.no_speech, NO_SPEECH)
+        if maybe_silent is None:
+            sot_logits = dec.logits(states[0, sot_at])  # [vocab]
+            maybe_silent = float(sot_logits.softmax(-1)[tok.no_speech]) > NO_SPEECH
         # The score (a log-softmax over all logits) only decides anything when the window may
         # be silent; otherwise the next token is the argmax, found with the light logits.
-        scored = no_speech > NO_SPEECH
+        scored = maybe_silent
+        logits = dec.logits(states[0, -1]) if scored else None  # [vocab]
         tokens: list[int] = []
         logprob = 0.0
         fast = dec.can_step()
         for step in range(MAX_NEW_TOKENS):
-            if step > 0 and not scored:
-                nxt = self._light_argmax(states[0, -1], first=False)
-            else:
+            if scored:
+                assert logits is not None
                 logits[self._suppress] = -torch.inf
                 if step == 0:
                     logits[self._suppress_first] = -torch.inf
                 nxt = int(logits.argmax())
-            if scored:
                 logprob += float(logits.log_softmax(-1)[nxt])
+            else:
+                nxt = self._light_argmax(states[0, -1], first=step == 0)
             if nxt == tok.eot:
                 break
             tokens.append(nxt)
@@ -160,17 +165,23 @@ class SpeechRecognizer(nn.Module):
                 states, _ = dec.states(torch.tensor([[nxt]]), audio, caches=caches)
             if scored:
                 logits = dec.logits(states[0, -1])  # [vocab]
-        silent = no_speech > NO_SPEECH and logprob / (len(tokens) + 1) < LOGPROB
+        silent = scored and logprob / (len(tokens) + 1) < LOGPROB
         return tokens, silent
 
-    def _light_argmax(self, state: Tensor, *, first: bool) -> int:
-        """The argmax of the (suppressed) logits of ``state [d]`` from a light copy of the
-        tied embedding, confirmed in float32 (:class:`~._light.LightLogits`)."""
+    def _light_logits(self) -> LightLogits:
+        """The light copy of the tied embedding (:class:`~._light.LightLogits`), made again
+        when the embedding moves."""
         w = self.decoder.embed.weight
         if self._light is None or self._light.source != (w.data_ptr(), w.device, w.dtype):
             self._light = LightLogits(w)
             self._suppress_both = torch.cat([self._suppress, self._suppress_first])
-        return self._light.argmax(state, self._suppress_both if first else self._suppress)
+        return self._light
+
+    def _light_argmax(self, state: Tensor, *, first: bool) -> int:
+        """The argmax of the (suppressed) logits of ``state [d]`` from a light copy of the
+        tied embedding, confirmed in float32 (:class:`~._light.LightLogits`)."""
+        light = self._light_logits()
+        return light.argmax(state, self._suppress_both if first else self._suppress)
 
     @torch.inference_mode()
     def _teacher_forced(self, audio: Tensor, tokens: list[int]) -> tuple[Tensor, Tensor]:
