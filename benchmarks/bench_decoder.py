@@ -212,6 +212,7 @@ def _prompt_of(model: Any, n: int) -> tuple[str, list[int]]:
 
 
 def llama_cpp_peer(args: argparse.Namespace) -> None:
+    _LlamaCpp(1, n_ctx=64)  # fails here, before any output, where llama.cpp is missing
     model = qkv.models.load("smollm2")
     print(
         f"qkv vs llama.cpp: greedy, batch 1, {args.rounds} interleaved rounds, medians; "
