@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from catalogue import MASKS, Shape, index_tensors, make_mask
-from qkv._core import tiles  # private: its evaluation hook and budget are units tested
+from qkv._core import grid, tiles  # private: evaluation hook, budget, limits are unit tested
 
 Tensor = torch.Tensor
 
@@ -214,6 +214,6 @@ def test_unsorted_document_ids_are_exact_or_conservative(monkeypatch):
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert torch.equal(bm.states, _evaluated(qkv.document(ids), 1, 1, 64, 64, (16, 16)))
     # Too many documents for the exact plan: every tile partial (correct, skips nothing).
-    monkeypatch.setattr(tiles, "_PRESENCE_CELLS", 1)  # private: the exact plan's limit
+    monkeypatch.setattr(grid, "_PRESENCE_CELLS", 1)  # private: the exact plan's limit
     bm = qkv.block_mask(qkv.document(ids), None, None, 64, 64, block_size=16)
     assert bool((bm.states == PARTIAL).all())

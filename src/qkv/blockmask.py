@@ -24,7 +24,7 @@ import torch
 
 from ._core.checks import as_4d, broadcastable
 from ._core.kinds import MaskKind, classify_mask
-from ._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid
+from ._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid, classify
 from ._flex.compat import adopt_mask
 
 Tensor = torch.Tensor
@@ -287,7 +287,7 @@ def build(
     b_, h_, lq, lk = shape
     bq, bk = block_size
     g = Grid(b_, h_, lq, lk, bq, bk, device)
-    states = g.classify(kind)
+    states = classify(g, kind)
     states = states.expand(
         b_ if states.shape[0] > 1 else 1, h_ if states.shape[1] > 1 else 1, g.nq, g.nk
     ).contiguous()

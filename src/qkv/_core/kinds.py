@@ -42,7 +42,7 @@ from .builtin_mods import (
     Softcap,
 )
 from .checks import callable_name
-from .tiles import FULL, Grid
+from .grid import FULL, Grid
 
 Tensor = torch.Tensor
 

@@ -38,10 +38,10 @@ from .builtin_mods import (
     Or,
     RelativeBias,
     Softcap,
-    Value,
 )
 from .kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
 from .tracing import is_symbolic
+from .value import Value
 
 Tensor = torch.Tensor
 

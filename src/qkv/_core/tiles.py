@@ -1,87 +1,42 @@
 """Tile states of a mask: which ``bq x bk`` blocks of the score matrix are empty (0), partial
 (1) or full (2).
 
-Each built-in mask carries its analytic rule (``tile_states`` on its class in
-:mod:`qkv._core.builtin_mods`, built from :func:`band_states`, :func:`below_states` and
-:func:`document_states` here), which touches only block bounds, in O(number of tiles) work;
-and/or trees combine their parts' states; bool tensors and mask_mods are evaluated tile by
-tile within ``EVAL_BUDGET`` positions.
+:func:`classify` asks a built-in mask for its own analytic rule (``tile_states`` on its class
+in :mod:`qkv._core.builtin_mods`, written with :mod:`qkv._core.grid`), which touches only
+block bounds; and/or trees combine their parts' states; bool tensors and mask_mods are
+evaluated tile by tile within ``EVAL_BUDGET`` positions.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # (kinds imports builtin_mods, whose rules are written with this module)
-    from .kinds import MaskKind
+from .builtin_mods import BuiltinMask, Combined
+from .evaluate import mask_at
+from .grid import DEFAULT_BLOCK, EMPTY, EVAL_BUDGET, FULL, PARTIAL, Grid
+from .kinds import MaskKind
 
 Tensor = torch.Tensor
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-DEFAULT_BLOCK = 128
-# Positions evaluated per mask_mod call when a mask has no analytic rule: bounds the memory a
-# mask_mod's temporaries can take (an int64 intermediate of this many elements is 32 MiB).
-EVAL_BUDGET = 1 << 22
+__all__ = ["DEFAULT_BLOCK", "EMPTY", "EVAL_BUDGET", "FULL", "PARTIAL", "Grid", "classify"]
 
 
-class Grid:
-    """The tiling of a ``[B, H, Lq, Lk]`` score matrix into ``bq x bk`` blocks.
-
-    :meth:`classify` turns a classified mask into tile states: built-in kinds by their rule
-    from the block bounds held here (through :meth:`from_ranges`), anything else evaluated
-    tile by tile.
-    """
-
-    def __init__(
-        self, B: int, H: int, Lq: int, Lk: int, bq: int, bk: int, device: torch.device
-    ) -> None:
-        self.B, self.H, self.Lq, self.Lk, self.bq, self.bk = B, H, Lq, Lk, bq, bk
-        self.device = device
-        self.nq, self.nk = -(-Lq // bq), -(-Lk // bk)
-        self.q_start = torch.arange(self.nq, dtype=torch.int64) * bq  # [nq] first row
-        self.q_last = (self.q_start + bq).clamp(max=Lq) - 1  # [nq] last row
-        self.k_start = torch.arange(self.nk, dtype=torch.int64) * bk  # [nk] first key
-        self.k_last = (self.k_start + bk).clamp(max=Lk) - 1  # [nk] last key
-        self.evaluated: list[str] = []  # names of mask_mods that had to be evaluated
-
-    def from_ranges(
-        self, vis_lo: Tensor, vis_hi: Tensor, full_lo: Tensor, full_hi: Tensor
-    ) -> Tensor:
-        """States from per-row ranges of key-block indices: blocks ``vis_lo..vis_hi`` are
-        visible and, among them, ``full_lo..full_hi`` full. Each bound is ``[..., R]`` (``R``
-        query blocks or 1); the result is int8 ``[..., R, nk]`` left-padded to 4 dims."""
-        j = torch.arange(self.nk, dtype=torch.int64)  # [nk]
-
-        def within(lo: Tensor, hi: Tensor) -> Tensor:
-            return (j >= lo.unsqueeze(-1)) & (j <= hi.unsqueeze(-1))  # [..., R, nk]
-
-        vis = within(vis_lo, vis_hi)
-        states = vis.to(torch.int8) + (vis & within(full_lo, full_hi)).to(torch.int8)
-        while states.ndim < 4:
-            states = states.unsqueeze(0)
-        return states
-
-    def classify(self, m: MaskKind) -> Tensor:
-        """int8 states broadcastable to ``[B, H, nq, nk]`` for a classified mask: a built-in
-        mask by its own rule (no position evaluated), an and/or tree part by part (a part
-        with no rule evaluated alone), bool tensors and mask_mods evaluated tile by tile."""
-        from .builtin_mods import BuiltinMask, Combined  # (see the imports above)
-
-        mod = m.mask_mod
-        if m.parts and isinstance(mod, Combined):
-            out = self.classify(m.parts[0])
-            for part in m.parts[1:]:
-                out = mod.combine_states(out, self.classify(part))
-            return out
-        if isinstance(mod, BuiltinMask):
-            states = mod.tile_states(self)
-            if states is not None:
-                return states
-        self.evaluated.append(m.name)
-        return _evaluate(m, self)
+def classify(g: Grid, m: MaskKind) -> Tensor:
+    """int8 states broadcastable to ``[B, H, nq, nk]`` for a classified mask: a built-in
+    mask by its own rule (no position evaluated), an and/or tree part by part (a part
+    with no rule evaluated alone), bool tensors and mask_mods evaluated tile by tile."""
+    mod = m.mask_mod
+    if m.parts and isinstance(mod, Combined):
+        out = classify(g, m.parts[0])
+        for part in m.parts[1:]:
+            out = mod.combine_states(out, classify(g, part))
+        return out
+    if isinstance(mod, BuiltinMask):
+        states = mod.tile_states(g)
+        if states is not None:
+            return states
+    g.evaluated.append(m.name)
+    return _evaluate(m, g)
 
 
 def _tile_rows(g: Grid) -> tuple[int, int]:
@@ -97,8 +52,6 @@ def _tile_rows(g: Grid) -> tuple[int, int]:
 def _evaluate(m: MaskKind, g: Grid) -> Tensor:
     """Evaluate a mask_mod (or slice a bool tensor) tile by tile and reduce each block to
     empty / partial / full. Memory is bounded by ``EVAL_BUDGET`` positions per tile."""
-    from .evaluate import mask_at  # (evaluate imports kinds: see the imports above)
-
     t = m.tensor
     if g.device.type == "meta" or (t is not None and t.device.type == "meta"):
         # No data to evaluate (qkv.plan on meta tensors): every block may hold anything.
@@ -155,94 +108,3 @@ def _reduce_tile(m: Tensor, rows: int, cols: int, bq: int, bk: int) -> Tensor:
 
 
 # ------------------------------------------------------------------ analytic rules
-
-
-def band_states(lo_: int | None, hi_: int | None, g: Grid) -> Tensor:
-    """``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded)."""
-    # Rows r of a query block see keys [r + lo, r + hi]; the union over the block's rows
-    # [qs, ql] is [qs + lo, ql + hi], and a key block [ks, kl] is full iff every row sees
-    # all of it: ks >= ql + lo and kl <= qs + hi. O(nq) arithmetic, then one grid fill.
-    big = g.Lq + g.Lk + 1  # an unbounded side reaches past every index
-    lo = -big if lo_ is None else lo_
-    hi = big if hi_ is None else hi_
-    qs, ql = g.q_start, g.q_last  # [nq] first and last row of each query block
-    first_key = (qs + lo).clamp(min=0)
-    last_key = (ql + hi).clamp(max=g.Lk - 1)
-    vis_lo, vis_hi = first_key // g.bk, last_key // g.bk
-    vis_hi = torch.where(first_key > last_key, vis_lo - 1, vis_hi)  # no key at all
-    # Full blocks: k_start[j] >= ql + lo and k_last[j] <= qs + hi.
-    full_lo = torch.searchsorted(g.k_start, ql + lo)  # first j with k_start[j] >= ql + lo
-    full_hi = torch.searchsorted(g.k_last, qs + hi, right=True) - 1
-    return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
-
-
-def below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> Tensor:
-    """``start <= kv_idx < limit`` (an int, or one limit per batch element; ``start`` None
-    or one per batch element)."""
-    # Key block j is visible iff it reaches past the start and its first key is below the
-    # limit; full iff it lies inside [start, limit).
-    if isinstance(limit, int):
-        lim = torch.tensor([limit], dtype=torch.int64)  # [1]
-    else:
-        lim = limit.detach().to("cpu", torch.int64)  # [B]
-    lim = lim.view(-1, 1, 1)  # [B, 1, 1]: one key range per batch element, for every row
-    vis_hi = (lim.clamp(max=g.Lk) + g.bk - 1) // g.bk - 1  # last j with k_start[j] < lim
-    full_hi = torch.searchsorted(g.k_last, lim.view(-1) - 1, right=True).view(-1, 1, 1) - 1
-    if start is None:
-        zero = torch.zeros_like(vis_hi)
-        return g.from_ranges(zero, vis_hi, zero, full_hi)  # [B, 1, 1, nk]
-    st = start.detach().to("cpu", torch.int64).view(-1)  # [B]
-    vis_lo = torch.searchsorted(g.k_last, st).view(-1, 1, 1)  # first j with k_last[j] >= st
-    vis_hi = torch.where(st.view(-1, 1, 1) >= lim, vis_lo - 1, vis_hi)  # an empty range
-    full_lo = torch.searchsorted(g.k_start, st).view(-1, 1, 1)  # first j with k_start >= st
-    return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)  # [B, 1, 1, nk]
-
-
-def document_states(all_ids: Tensor, g: Grid) -> Tensor:
-    """``ids[q_idx] == ids[kv_idx]``."""
-    ids = all_ids.detach().to("cpu")[: max(g.Lq, g.Lk)]
-    if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
-        return _document_unsorted(ids, g)
-    # Sorted ids (packed sequences): each block holds the ids [ids[first], ids[last]], and
-    # two blocks share a document iff those ranges overlap. Because ids are sorted, the
-    # visible key blocks of a query block are one contiguous run, found by binary search.
-    qmin, qmax = ids[g.q_start], ids[g.q_last]  # [nq]
-    kmin, kmax = ids[g.k_start], ids[g.k_last]  # [nk], both non-decreasing
-    vis_lo = torch.searchsorted(kmax, qmin)  # first j with kmax[j] >= qmin
-    vis_hi = torch.searchsorted(kmin, qmax, right=True) - 1  # last j with kmin[j] <= qmax
-    # Full: both blocks lie inside one document, the same one.
-    single = qmin == qmax
-    full_lo = torch.searchsorted(kmin, qmin)  # first j with kmin[j] >= qmin
-    full_hi = torch.searchsorted(kmax, qmin, right=True) - 1  # last j with kmax[j] <= qmin
-    full_hi = torch.where(single, full_hi, full_lo - 1)
-    return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
-
-
-# Above this many (query block x key block x document) cells, unsorted document ids are planned
-# conservatively (every block partial) instead of exactly.
-_PRESENCE_CELLS = 1 << 26
-
-
-def _document_unsorted(ids: Tensor, g: Grid) -> Tensor:
-    """Block states for unsorted document ids: which documents each block contains (a
-    presence matrix), then a block pair is visible iff they share one. Exact at block level
-    while ``nq * nk * documents`` stays small; otherwise every block is (conservatively)
-    partial, which is correct but skips nothing."""
-    _, code = torch.unique(ids, return_inverse=True)  # [n] document index 0..n_docs-1
-    n_docs = int(code.max()) + 1
-    if g.nq * g.nk * n_docs > _PRESENCE_CELLS:
-        zero = torch.zeros(g.nq, dtype=torch.int64)
-        return g.from_ranges(zero, zero + g.nk - 1, zero, zero - 1)
-
-    def presence(n_blocks: int, length: int, size: int) -> Tensor:
-        pres = torch.zeros(n_blocks, n_docs)  # [n_blocks, n_docs]
-        pos = torch.arange(length)
-        pres[pos // size, code[:length]] = 1.0
-        return pres
-
-    pq, pk = presence(g.nq, g.Lq, g.bq), presence(g.nk, g.Lk, g.bk)
-    vis = (pq @ pk.T) > 0  # [nq, nk]: the blocks share at least one document
-    one_q = (pq.sum(1) == 1).view(-1, 1)  # [nq, 1]: the query block holds a single document
-    one_k = (pk.sum(1) == 1).view(1, -1)  # [1, nk]
-    same = (pq.argmax(1).view(-1, 1) == pk.argmax(1).view(1, -1)) & one_q & one_k
-    return (vis.to(torch.int8) + (vis & same).to(torch.int8)).view(1, 1, g.nq, g.nk)

@@ -2,7 +2,7 @@
 what each rank computes. ``qd.plan`` prints it; ``qd.attention`` executes the same one.
 
 From qkv's block classification of the mask at global positions, with one tile per chunk
-(:class:`qkv._core.tiles.Grid` with ``bq = bk = c``, analytic for every built-in mask), each
+(:class:`qkv._core.grid.Grid` with ``bq = bk = c``, analytic for every built-in mask), each
 (query chunk, key chunk) pair is empty, partial or full; a partial pair is classified again
 at ``c / 16`` resolution (at most 128 positions) to find the key rows its queries see. Rank
 ``s`` sends rank ``r`` only those rows of its chunks (their hull, one piece per chunk), and
@@ -21,7 +21,7 @@ import torch
 
 from .._core.kinds import MaskKind
 from .._core.problem import mask_kind
-from .._core.tiles import EMPTY, FULL, PARTIAL, Grid
+from .._core.tiles import EMPTY, FULL, PARTIAL, Grid, classify
 from .layout import Layout
 from .positions import mask_for
 
@@ -178,7 +178,7 @@ def chunk_states(m: MaskKind, lay: Layout, B: int, H: int, device: torch.device)
     if none sees any of it."""
     n, c = lay.n_chunks, lay.chunk
     g = Grid(B, H, lay.L, lay.L, c, c, device)
-    st = g.classify(m).to(torch.int8)  # [B|1, H|1, nq|1, nk|1], nq = ceil(L / c) <= n
+    st = classify(g, m).to(torch.int8)  # [B|1, H|1, nq|1, nk|1], nq = ceil(L / c) <= n
     st = st.expand(st.shape[0], st.shape[1], g.nq, g.nk)  # a padding mask's rows broadcast
     vis = (st != EMPTY).flatten(0, 1).any(0)  # [nq, nk]
     full = (st == FULL).flatten(0, 1).all(0)
@@ -204,7 +204,7 @@ def _pair_detail(
     f = max(1, min(_FLOP_TILE, lay.chunk // 16))
     sub = mask_kind(mask_for(m, q, k, lay.L))  # the shifted mask, classified as qkv would
     g = Grid(B, H, lq, lk, f, f, device)
-    st = g.classify(sub).amax(dim=(0, 1)).expand(g.nq, g.nk)  # [nq, nk], any (b, h)
+    st = classify(g, sub).amax(dim=(0, 1)).expand(g.nq, g.nk)  # [nq, nk], any (b, h)
     vis = st != EMPTY
     cols_seen = vis.any(0).nonzero().view(-1)  # key tiles some query tile sees
     if cols_seen.numel() == 0:

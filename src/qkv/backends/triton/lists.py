@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._core.builtin_mods import Value
 from ..._core.evaluate import call_mask_mod
 from ..._core.kinds import MaskKind
 from ..._core.kindspec import Unwatched, value_token
 from ..._core.lru import LRU
 from ..._core.tiles import EMPTY, EVAL_BUDGET, PARTIAL
+from ..._core.value import Value
 from ...blockmask import BlockMask, build
 
 Tensor = torch.Tensor
