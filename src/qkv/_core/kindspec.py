@@ -237,7 +237,7 @@ def problem_mask_token(m: MaskKind) -> object | None:
 
 def mask_token(mask: object) -> object | None:
     """A mask as part of a call's signature (``qkv._planning.signature``), or ``None`` when
-    it cannot be one: a built-in mask (a :class:`~qkv._core.builtin_mods.Value`) by its value
+    it cannot be one: a built-in mask (a :class:`~qkv._core.value.Value`) by its value
     (:func:`value_token`: its class, numbers and tensors' tokens, so one made anew at each call
     finds the last call's decision); a user's mask_mod weakly, as :class:`Unwatched`."""
     if mask is None:
