@@ -24,6 +24,7 @@ new tokens compared one by one.
 
     pip install llama-cpp-python   # builds llama.cpp with cmake; or a build on PYTHONPATH
     python benchmarks/bench_decoder.py --peer llama.cpp [--rounds 3]
+    python benchmarks/bench_decoder.py --peer llama.cpp --prompts 16 --news 64  # one row
 """
 
 from __future__ import annotations
@@ -226,9 +227,9 @@ def llama_cpp_peer(args: argparse.Namespace) -> None:
     for threads in args.threads_list:
         torch.set_num_threads(threads)
         peer = _LlamaCpp(threads, n_ctx=1024)
-        for length in (16, 512):
+        for length in args.prompts:
             text, ids = _prompt_of(model, length)
-            for n in (64, 256):
+            for n in args.news:
                 ours: dict[str, list[float]] = {"prefill": [], "decode": []}
                 theirs: dict[str, list[float]] = {k: [] for k in _KEYS}
                 with torch.inference_mode():
@@ -275,6 +276,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peer", choices=["transformers", "llama.cpp"], default="transformers")
     ap.add_argument("--threads-list", type=int, nargs="+", default=[1, 2], help="llama.cpp")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[16, 512], help="llama.cpp")
+    ap.add_argument("--news", type=int, nargs="+", default=[64, 256], help="llama.cpp")
     ap.add_argument("--only", choices=["load", "decode", "prefill"], action="append")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=1024)

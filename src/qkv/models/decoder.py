@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from ._generate import Sampling, StopText, decode_tokens
 from ._llama_config import LlamaConfig
 from ._model import Tokens
 from .llama import DecoderOutput, LlamaDecoder
-from .quantized import LinearPath
+from .quantized import LinearPath, QuantizedLinear
 
 Tensor = torch.Tensor
 
@@ -293,6 +294,31 @@ class TextDecoder(nn.Module):
         assert out.attentions is not None
         weights = torch.stack([w[0] for w in out.attentions]).float()  # [layers, H, L, L]
         return t.tokens, weights
+
+    def quantize_activations(self, enabled: bool = True) -> TextDecoder:
+        """Multiply few-row inputs (decoding) by the GGUF blocks with the inputs quantised to
+        8-bit blocks of 32 and integer dot products, as llama.cpp does (``enabled=True``), or
+        exactly in float32, the default (``False``). Returns the model.
+
+        Faster (benchmarks/RESULTS.md: SmolLM2 Q4_1 at one thread), but not exact: each input
+        value moves by up to half a step of its block's 8-bit scale, logits by ~0.1, and
+        greedy decoding can pick another of two near-tied tokens. The exact path stays the
+        default so that the model's logits match float32 implementations of its weights.
+        Needs the compiled GGUF kernel (``linear_path`` says whether it runs); many-row
+        inputs (a prompt of more than ``quantized.MAX_ROWS`` tokens) stay float32 either way.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        layers = [m for m in self.decoder.modules() if isinstance(m, QuantizedLinear)]
+        if enabled and not layers:
+            raise RuntimeError(
+                f"quantize_activations needs qkv's compiled kernel on GGUF blocks; this model "
+                f"runs {self.linear_path}"
+            )
+        for m in layers:
+            m.int8_activations = enabled
+        self.linear_path = replace(self.linear_path, int8_activations=enabled and bool(layers))
+        return self
 
     def extra_repr(self) -> str:
         c = self.config

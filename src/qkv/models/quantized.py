@@ -8,6 +8,19 @@ as the file's blocks. The kernel decodes each block of 32 weights exactly as
 float32 ``F.linear`` on the dequantised weights up to the order of the float32 sums
 (``tests/test_quantized.py``).
 
+Two arithmetics for those few-row products (``QuantizedLinear.int8_activations``):
+
+- exact (the default): the float32 product above. A model's logits then match other float32
+  implementations of the same weights (transformers reading the GGUF file) to float32
+  rounding, and greedy decoding gives their tokens.
+- int8 activations (``kernels/quant_int.cpp``, opt-in with
+  :meth:`TextDecoder.quantize_activations`): each input row is quantised to 8-bit blocks of
+  32 (a scale ``max|x| / 127`` and 32 int8, as llama.cpp's Q8 formats), and each weight block
+  times an input block is an integer dot product of 32 small integers. It is llama.cpp's
+  arithmetic and faster (benchmarks/RESULTS.md: decoding SmolLM2 at one thread), but it changes
+  the result by up to half a quantisation step of each input value, so logits move by ~0.1
+  and near-tied tokens can swap; it is not the default for that reason.
+
 When the kernel cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the
 loader keeps plain ``nn.Linear`` layers on the dequantised float32 weights, as before; the
 decoder's ``linear_path`` says which path runs.
@@ -27,7 +40,15 @@ from ..native import NativeLibrary, capability
 
 Tensor = torch.Tensor
 
-__all__ = ["FORMATS", "MAX_ROWS", "LinearPath", "QuantizedLinear", "dequantize", "kernel"]
+__all__ = [
+    "FORMATS",
+    "MAX_ROWS",
+    "LinearPath",
+    "QuantizedLinear",
+    "dequantize",
+    "kernel",
+    "linear_q8",
+]
 
 # GGUF block formats the kernel reads: name -> (GGML type code, bytes per block of 32).
 FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
@@ -52,17 +73,20 @@ def _fake_dequantize(blocks: Tensor, qtype: int, k: int) -> Tensor:
 
 LIBRARY = NativeLibrary(
     "qkv_quant",
-    [Path(__file__).parent / "kernels" / "quant.cpp"],
+    [
+        Path(__file__).parent / "kernels" / "quant.cpp",
+        Path(__file__).parent / "kernels" / "quant_int.cpp",
+    ],
     what="CPU kernel for GGUF blocks",
     # the weights must round as gguf's numpy does (a product, then a sum): no fused d*q + m
     extra_cflags=["-ffp-contract=off"],
-    fakes={"linear": _fake_linear, "dequantize": _fake_dequantize},
+    fakes={"linear": _fake_linear, "linear_q8": _fake_linear, "dequantize": _fake_dequantize},
 )
 
 
 def kernel() -> Any | None:
-    """The compiled operators (``linear``, ``dequantize``), building them on first use;
-    ``None`` when they cannot be had (the reason: ``LIBRARY.disabled()``)."""
+    """The compiled operators (``linear``, ``linear_q8``, ``dequantize``), building them on
+    first use; ``None`` when they cannot be had (the reason: ``LIBRARY.disabled()``)."""
     return LIBRARY.ops()
 
 
@@ -80,6 +104,14 @@ def dequantize(blocks: Tensor, qtype: str, in_features: int) -> Tensor:
     return _ops().dequantize(blocks, FORMATS[qtype][0], in_features)
 
 
+def linear_q8(x: Tensor, blocks: Tensor, qtype: str, in_features: int) -> Tensor:
+    """``x`` float32 ``[M, in_features]`` times the weights of ``blocks`` (uint8 ``[N,
+    in_features / 32 * bytes]``, format ``qtype``) transposed, with ``x`` quantised to 8-bit
+    blocks of 32 (``kernels/quant_int.cpp``): ``[M, N]``. Rows holding a NaN or an infinity
+    are multiplied in float32."""
+    return _ops().linear_q8(x, blocks, FORMATS[qtype][0], in_features)
+
+
 @dataclass(frozen=True)
 class LinearPath:
     """Which linear path a decoder's weight matrices run, decided once by the loader."""
@@ -87,13 +119,16 @@ class LinearPath:
     kernel: str | None  # e.g. "AVX512": the compiled kernel runs inputs of <= MAX_ROWS rows
     formats: tuple[tuple[str, int], ...]  # (format, how many matrices) on the kernel
     reason: str  # why: what the kernel covers, or why it does not run
+    int8_activations: bool = False  # the kernel quantises its inputs to 8 bits (not exact)
 
     def __str__(self) -> str:
         if self.kernel is None:
             return f"float32 F.linear ({self.reason})"
         counts = ", ".join(f"{n} {f}" for f, n in self.formats)
+        how = "int8 activations" if self.int8_activations else "float32"
         return (
-            f"GGUF blocks ({counts}): qkv's {self.kernel} kernel <= {MAX_ROWS} rows, else float32"
+            f"GGUF blocks ({counts}): qkv's {self.kernel} kernel ({how}) <= {MAX_ROWS} rows, "
+            f"else float32"
         )
 
 
@@ -104,7 +139,8 @@ class QuantizedLinear(nn.Module):
     ``nn.Linear`` it replaces: many-row inputs, gradients and every reader of ``.weight`` use
     it) and ``blocks`` (uint8 ``[out_features, in_features / 32 * bytes]``, the file's blocks;
     a buffer outside the state dict). ``forward(x [..., in_features]) -> [..., out_features]``
-    equals ``F.linear(x, weight)`` to float32 rounding.
+    equals ``F.linear(x, weight)`` to float32 rounding; with ``int8_activations`` set, inputs
+    the kernel takes are first quantised to 8-bit blocks (see the module docstring).
     """
 
     def __init__(self, weight: nn.Parameter, blocks: Tensor, qtype: str) -> None:
@@ -118,6 +154,7 @@ class QuantizedLinear(nn.Module):
             )
         self.in_features, self.out_features, self.qtype = k, n, qtype
         self._code = code
+        self.int8_activations = False
         self.weight = weight
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
 
@@ -133,7 +170,8 @@ class QuantizedLinear(nn.Module):
             ops = kernel()
             if ops is not None:
                 flat = x.reshape(-1, self.in_features)  # [rows, in]
-                out = ops.linear(flat, self.blocks, self._code, self.in_features)  # [rows, out]
+                op = ops.linear_q8 if self.int8_activations else ops.linear
+                out = op(flat, self.blocks, self._code, self.in_features)  # [rows, out]
                 return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight)
 
@@ -141,6 +179,7 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"blocks={self.qtype}, kernel rows<={MAX_ROWS}"
+            + (", int8 activations" if self.int8_activations else "")
         )
 
 
