@@ -25,6 +25,7 @@ new tokens compared one by one.
     pip install llama-cpp-python   # builds llama.cpp with cmake; or a build on PYTHONPATH
     python benchmarks/bench_decoder.py --peer llama.cpp [--rounds 3]
     python benchmarks/bench_decoder.py --peer llama.cpp --prompts 16 --news 64  # one row
+    python benchmarks/bench_decoder.py --peer llama.cpp --int8-activations  # llama.cpp's arithmetic
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ def _prompt_of(model: Any, n: int) -> tuple[str, list[int]]:
 def llama_cpp_peer(args: argparse.Namespace) -> None:
     _LlamaCpp(1, n_ctx=64)  # fails here, before any output, where llama.cpp is missing
     model = qkv.models.load("smollm2")
+    if args.int8_activations:
+        model.quantize_activations()  # llama.cpp's arithmetic: 8-bit activations
+    print(f"qkv's linear layers: {model.linear_path}")
     print(
         f"qkv vs llama.cpp: greedy, batch 1, {args.rounds} interleaved rounds, medians; "
         f"tokens/s (llama.cpp: its own counters / wall through the binding)"
@@ -278,6 +282,11 @@ def main() -> None:
     ap.add_argument("--threads-list", type=int, nargs="+", default=[1, 2], help="llama.cpp")
     ap.add_argument("--prompts", type=int, nargs="+", default=[16, 512], help="llama.cpp")
     ap.add_argument("--news", type=int, nargs="+", default=[64, 256], help="llama.cpp")
+    ap.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="llama.cpp: qkv with model.quantize_activations() (default: the exact path)",
+    )
     ap.add_argument("--only", choices=["load", "decode", "prefill"], action="append")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prefill", type=int, default=1024)
