@@ -114,7 +114,7 @@ def test_vmap_mask_mod_matches_oracle(shape, make, backend):
     mod, twin = make(shape[3], shape[4], gen)
     p = validate(q, k, v, mask=mod)
     assert isinstance(p.mask.mask_mod, ModCall) and p.mask.mask_mod.why is not None  # vmap
-    assert p.mask.kind == "mod" and p.mask.evaluation == "vmap"
+    assert p.mask.is_user and p.mask.evaluation == "vmap"
     fn = _fast(mask=mod, backend=backend)
     assert_matches_oracle(compare_to_oracle(fn, q, k, v, mask=twin))
 
@@ -245,7 +245,7 @@ def test_broadcast_mods_are_not_wrapped_and_plan_says_nothing():
     assert validate(q, k, v, score_mod=half).score.score_mod is half
     assert "vmap" not in str(qkv.plan(q, k, v, mask=same_doc, score_mod=half))
     p = validate(q, k, v, score_mod=qkv.softcap(5.0))
-    assert type(p.score.score_mod) is qkv._core.builtin_mods.Softcap  # built-ins untouched
+    assert type(p.score.score_mod) is qkv._core.builtin_scores.Softcap  # built-ins untouched
 
 
 def test_plan_says_when_a_mod_runs_through_vmap_and_its_cost():

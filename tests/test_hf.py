@@ -108,16 +108,18 @@ def test_mask_kinds_reach_their_kernels() -> None:
     q = torch.randn(2, 4, 64, 16)
     assert qkv.plan(q, q, q, mask=causal.mask).backend == "sdpa"
     right = mask_function(2, 12, 12, attention_mask=_PAD[[1, 1]])
-    assert _kind(right.mask).kind == "and"  # causal and padding lengths
+    right_kind = _kind(right.mask)  # causal and padding lengths: a band and a key range
+    assert right_kind.terms.causal and right_kind.terms.keys is not None
+    assert right_kind.terms.only(band=True, keys=True)
     window = mask_function(1, 512, 512, mask_function=mu.sliding_window_causal_mask_function(64))
-    assert _kind(window.mask).kind == "band"
+    assert _kind(window.mask).is_band
     q = torch.randn(1, 2, 512, 16)
     assert "band" in qkv.plan(q, q, q, mask=window.mask).forward
     step = mask_function(1, 1, 64, q_offset=63, mask_function=mu.causal_mask_function)
     assert step.mask is None  # one query row sees every cached key: unmasked
     left = mask_function(2, 12, 12, attention_mask=_PAD)  # left and right padding
-    kinds = [p.kind for p in _kind(left.mask).parts]
-    assert kinds == ["causal", "padding"]  # each row's key range: planned without evaluation
+    parts = _kind(left.mask).parts  # each row's key range: planned without evaluation
+    assert [p.is_causal for p in parts] == [True, False] and parts[1].terms.keys is not None
     holes = torch.tensor([[1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]]).bool()
     odd = mask_function(1, 12, 12, attention_mask=holes)
     assert isinstance(odd.mask, qkv.BlockMask)  # evaluated once, reused by every layer

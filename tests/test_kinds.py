@@ -1,6 +1,6 @@
-"""Classification at the door (qkv._core.kinds): every mask and score becomes one tagged kind, and
-combinations of built-ins are simplified to the kind they are — without changing a single
-position they allow."""
+"""Classification at the door (qkv._core.kinds): every mask and score becomes one value of its
+class with the terms kernels read, and combinations of built-ins are simplified to the mask they
+are — without changing a single position they allow."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 
 import qkv
 from qkv._core.evaluate import grid
-from qkv._core.kinds import MASK_KINDS, band, classify_mask, classify_score  # the unit under test
+from qkv._core.builtin_mods import Document, KvBelow, Prefix
+from qkv._core.combinations import And, Or
+from qkv._core.kinds import MaskKind, band, classify_mask, classify_score  # the unit under test
 from qkv._core.positions import mask_at  # the KV-cache shift, tested on purpose
 
 L = 40
@@ -50,11 +52,24 @@ CASES = [
 ]
 
 
+def _what(m: MaskKind) -> str:
+    """What the classified mask is, read from its class and terms (never a tag)."""
+    if m.is_none:
+        return "none"
+    if m.is_causal:
+        return "causal"
+    if m.is_band:
+        return "band"
+    if m.is_user:
+        return "mod"
+    names = {Prefix: "prefix", And: "and", Or: "or", KvBelow: "padding", Document: "document"}
+    return names[type(m.mask_mod)]
+
+
 @pytest.mark.parametrize("mask,kind,band", CASES)
 def test_kinds_and_simplification_keep_every_position(mask, kind, band):
     m = classify_mask(mask)
-    assert m.kind in MASK_KINDS
-    assert m.kind == kind, m.name
+    assert _what(m) == kind, m.name
     if band is not None:
         assert (m.lo, m.hi) == band
     if mask is not None:
@@ -63,16 +78,16 @@ def test_kinds_and_simplification_keep_every_position(mask, kind, band):
 
 def test_intersections_and_unions_at_the_edges():
     diag = classify_mask(qkv.and_masks(qkv.sliding_window(0, 3), qkv.sliding_window(4, 0)))
-    assert diag.kind == "band" and (diag.lo, diag.hi) == (0, 0)  # the diagonal only
+    assert _what(diag) == "band" and (diag.lo, diag.hi) == (0, 0)  # the diagonal only
     # Bands with a gap between them stay an "or" of two bands (a band has no hole).
     gap = qkv.or_masks(band(-1, 0).mask_mod, band(5, 9).mask_mod)
     m = classify_mask(gap)
-    assert m.kind == "or" and [p.kind for p in m.parts] == ["band", "band"]
+    assert _what(m) == "or" and [_what(p) for p in m.parts] == ["band", "band"]
     assert torch.equal(_grid(m.mask_mod), _grid(gap))
     # An empty intersection (lo > hi: a KV-cache shift can make one) hides every key: output
     # 0 and lse -inf, never NaN, and the compiled kernel is not asked to run it.
     empty = qkv.and_masks(band(3, 9).mask_mod, band(-9, 1).mask_mod)
-    assert classify_mask(empty).kind == "band"
+    assert _what(classify_mask(empty)) == "band"
     q = torch.randn(1, 2, 17, 8)
     out, lse = qkv.attention(q, q, q, mask=empty, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
@@ -96,7 +111,7 @@ def test_and_of_causal_and_window_takes_the_band_kernel():
 def test_prefix_lm_spelled_as_or_is_planned_as_prefix():
     q = torch.randn(1, 2, 260, 16)
     spelled = qkv.or_masks(qkv.causal, lambda b, h, q, k: k < 0)  # a mod: not a prefix
-    assert classify_mask(spelled).kind == "or"
+    assert _what(classify_mask(spelled)) == "or"
     plan = qkv.plan(q, q, q, mask=qkv.prefix_lm(40), return_lse=True)
     assert "prefix and causal parts" in plan.forward
 
@@ -105,17 +120,17 @@ def test_a_kv_cache_prefill_is_causal_and_reaches_sdpa_is_causal():
     """The module's prefill shifts qkv.causal by 0: the shifted band is still causal, so SDPA's
     is_causal path runs (it missed it when identity decided what was causal)."""
     prefill = mask_at(qkv.causal, 0, 0, 40, 40)
-    assert classify_mask(prefill).kind == "causal"
+    assert _what(classify_mask(prefill)) == "causal"
     q = torch.randn(1, 2, 40, 16)  # 40 rows: a prefill (a few rows would be the decode kernel's)
     plan = qkv.plan(q, q, q, mask=prefill)
     assert plan.backend == "sdpa" and "is_causal" in plan.forward
     chunk = mask_at(qkv.causal, 5, 0, 3, 8)  # 5 cached + 3 new: a band, not top-left causal
-    assert classify_mask(chunk).kind == "band"
+    assert _what(classify_mask(chunk)) == "band"
 
 
 def test_a_block_mask_carries_its_kind():
     bm = qkv.block_mask(qkv.and_masks(qkv.causal, qkv.sliding_window(16)), None, None, 64, 64)
-    assert bm.kind.kind == "band" and bm.kind.block is bm
+    assert _what(bm.kind) == "band" and bm.kind.block is bm
     q = torch.randn(1, 2, 64, 16)
     torch.testing.assert_close(
         qkv.attention(q, q, q, mask=bm), qkv.reference.attention(q, q, q, mask=bm)[0]
@@ -135,8 +150,12 @@ def test_a_block_mask_carries_its_kind():
 )
 def test_score_kinds(score, kind):
     sc = classify_score(score)
-    assert sc.kind == kind
+    assert sc.is_none == (kind == "none")
+    assert (sc.bias is not None) == (kind == "bias")
+    assert sc.is_user == (kind == "mod")
     assert sc.is_callable == (kind not in ("none", "bias"))
+    if kind not in ("none", "bias", "mod"):
+        assert sc.score_mod is score  # a built-in stays the value it is
 
 
 def test_unknown_mask_type_is_a_clear_type_error():

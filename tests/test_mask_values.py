@@ -12,7 +12,11 @@ import torch
 import qkv
 from catalogue import Shape, make_qkv
 from qkv._core.builtin_mods import BuiltinMask
+from qkv._core.kinds import classify_mask
+from qkv._core.kindspec import mask_from_spec, mask_spec
 from qkv._core.lru import LRU
+from qkv._core.spec import number, read, registered
+from qkv._core.terms import Keys, Terms
 
 IDS = torch.arange(48) // 16
 LENGTHS = torch.tensor([40, 48, 30, 20])
@@ -147,6 +151,7 @@ def test_lru_bounds():
 # ------------------------------------------------ a new built-in mask: one class, one file
 
 
+@registered("keyrange")  # the name of its spec, under which a compiled graph reads it back
 class KeyRange(BuiltinMask):
     """Attend iff ``lo <= kv_idx < hi`` (the same keys for every query): a mask that is not
     in qkv, written as a contributor would add one (docs/contributing/design.md)."""
@@ -167,6 +172,16 @@ class KeyRange(BuiltinMask):
         touches = (g.k_last >= self.lo) & (g.k_start < self.hi)  # [nk]
         row = touches.to(torch.int8) + inside.to(torch.int8)  # [nk]: 0 empty, 1 partial, 2 full
         return row.view(1, 1, 1, -1).expand(1, 1, g.nq, g.nk)
+
+    def terms(self):  # what kernels read: a key range (the decode and Triton kernels take one)
+        return Terms(keys=Keys(self.hi, self.lo))
+
+    def spec(self, tensors):  # how it crosses a custom operator under torch.compile
+        return f"keyrange({number(self.lo, tensors)},{number(self.hi, tensors)})"
+
+    @classmethod
+    def from_spec(cls, args, tensors):
+        return cls(*(read(a, tensors) for a in args.split(",")))
 
     def __repr__(self):
         return f"KeyRange({self.lo}, {self.hi})"
@@ -200,3 +215,39 @@ def test_a_new_mask_class_gets_tile_skipping_and_caching(monkeypatch):
     ref = qkv.attention(q, k, v, mask=KeyRange(100, 300), backend="reference")
     for out in outs:
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_a_new_mask_class_gets_decode_compile_and_the_triton_formula():
+    """The same class, nothing else edited: a decode step runs on qkv's decode kernel (the
+    class's terms are one key range), a compiled call carries it through the engine's
+    operator (its spec), and the Triton kernel reads it as a formula, not as bits."""
+    m = KeyRange(100, 300)
+    kind = classify_mask(m)
+    tensors: list[torch.Tensor] = []
+    spec = mask_spec(kind, tensors)
+    assert spec == "keyrange(100,300)" and tensors == []
+    assert mask_from_spec(spec, tensors).mask_mod == m
+    q, k, v = make_qkv(Shape(2, 4, 2, 1, 512, 32), gen=6)  # one new token over 512 keys
+    with torch.no_grad():
+        plan = qkv.plan(q, k, v, mask=m)
+        assert plan.backend == "decode", plan
+        out = qkv.attention(q, k, v, mask=m)
+    ref = qkv.reference.attention(q, k, v, mask=m)[0]
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+    q, k, v = make_qkv(Shape(1, 2, 2, 320, 320, 16), gen=7)
+
+    def f(q, k, v):
+        return qkv.attention(q, k, v, mask=KeyRange(100, 300), backend="blocksparse")
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(
+        got, qkv.reference.attention(q, k, v, mask=m)[0], atol=2e-6, rtol=2e-5
+    )
+
+    from qkv.backends.triton.lists import mask_spec as triton_formula
+
+    formula = triton_formula(kind, 2, 1, 512, torch.device("cpu"))
+    assert not formula.bits and formula.pad is not None
+    start, limit = formula.pad
+    assert start.tolist() == [100, 100] and limit.tolist() == [300, 300]

@@ -354,7 +354,7 @@ class SlidingWindowCache(_Cache):
             )
         ring = RingPositions(n, W)
         kind = mask_kind(mask)
-        if not band_covers(kind, -(W - 1), 0) and kind.kind != "none":
+        if not band_covers(kind, -(W - 1), 0) and not kind.is_none:
             mask = mask_at(kind.mask_mod, n, ring, 1, W)
         else:  # every slot holds a position in [n - W + 1, n], all visible
             mask = None

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ._core.builtin_mods import CAUSAL, And, Band, Document, KvBelow, Or
+from ._core.builtin_mods import CAUSAL, Band, Document, KvBelow, Prefix
 from ._core.checks import callable_name
+from ._core.combinations import And, Or
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -176,7 +177,7 @@ def prefix_lm(n: int) -> MaskMod:
         raise TypeError(f"prefix_lm length must be an int, got {type(n).__name__}")
     if n < 0:
         raise ValueError(f"prefix_lm length must be >= 0, got {n}")
-    return Or((KvBelow(n, f"kv_idx < {n}"), causal), f"qkv.prefix_lm({n})")
+    return Prefix(n)
 
 
 def _check_mods(kind: str, mods: tuple[Any, ...]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._core.builtin_mods import Alibi, RelativeBias, Softcap
+from ._core.builtin_scores import Alibi, RelativeBias, Softcap
 
 Tensor = torch.Tensor
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]

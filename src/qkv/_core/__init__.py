@@ -7,11 +7,16 @@
 - ``dense.py``     a problem's mask and score as dense tensors (the reference, SDPA);
 - ``tiles.py``     tile classification (empty / full / partial) of a mask;
 - ``positions.py`` masks and scores at shifted positions (a KV cache's later queries);
-- ``builtin_mods.py`` the built-in masks' and scores' classes (``qkv.masks`` and
-                   ``qkv.scores`` make them);
-- ``kinds.py``     ``MaskKind`` / ``ScoreKind``: every mask and score classified into one
-                   tagged kind, combinations of built-ins simplified;
-- ``kindspec.py``  kinds as a spec string plus tensors (for custom operators), and as the
-                   tokens of a call's signature;
+- ``builtin_mods.py`` the built-in masks' classes (``qkv.masks`` makes them), each
+                   carrying its formula, value, tile rule, terms and spec;
+- ``combinations.py`` ``and_masks`` / ``or_masks`` as classes of their own;
+- ``builtin_scores.py`` the built-in scores' classes (``qkv.scores`` makes them);
+- ``terms.py``     a mask as the terms kernels read (band, prefix, key range, ids, rest);
+- ``spec.py``      spec strings for custom operators, and the registry that reads them back;
+- ``usermod.py``   a user's mod as qkv calls it (the base of FlexAttention's wrapper);
+- ``kinds.py``     ``MaskKind`` / ``ScoreKind``: every mask and score classified once into
+                   its value and terms, combinations of built-ins simplified;
+- ``kindspec.py``  kinds as specs (for custom operators), and as the tokens of a call's
+                   signature;
 - ``tracing.py``   what qkv tells dynamo without importing it (``assume_constant_result``).
 """

@@ -1,21 +1,27 @@
-"""The built-in masks' and scores' classes: :mod:`qkv.masks` and :mod:`qkv.scores` make them
-(``qkv.causal``, ``qkv.sliding_window(64)``, ``qkv.alibi(slopes)``, ...), and the door reads
-their structure (:mod:`qkv._core.kinds`: a band of diagonals, a prefix of keys, equal document
-ids, a slope per head) so that planning needs no evaluation of positions.
+"""The built-in masks' classes: :mod:`qkv.masks` makes them (``qkv.causal``,
+``qkv.sliding_window(64)``, ``qkv.padding(lengths)``, ...). Each class carries its own rules,
+so that no other module switches on what a mask is:
 
-Each is a callable in FlexAttention's convention (``mask_mod(b, h, q_idx, kv_idx)``,
-``score_mod(score, b, h, q_idx, kv_idx)``), printable by the call that made it, and checks
-itself against a problem's sizes (``_check_problem``).
+- its formula: a callable in FlexAttention's convention (``mask_mod(b, h, q_idx, kv_idx)``);
+- its value: equal and hashed by its parameters (:class:`~qkv._core.value.Value`), the key
+  under which a call's decision is kept;
+- its terms (:meth:`BuiltinMask.terms`): what the kernels read (a band, a prefix, a key range
+  per batch element, document ids; :mod:`qkv._core.terms`);
+- its tile rule (:meth:`BuiltinMask.tile_states`): which tiles are full, partial or empty,
+  from its parameters alone;
+- its spec (:meth:`BuiltinMask.spec` and ``from_spec``): how it crosses a custom operator
+  under ``torch.compile`` (:mod:`qkv._core.spec`);
+- what it carries (:meth:`BuiltinMask.carried`): the tensors ``qkv.distributed`` compares
+  across ranks; and its check against a problem's sizes (``_check_problem``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .checks import check_mask_result
-from .grid import Grid, band_states, below_states, document_states
+from .grid import FULL, Grid, band_states, below_states, document_states
+from .spec import number, read, registered, slot
+from .terms import NONE, Keys, Terms
 from .value import Value
 
 Tensor = torch.Tensor
@@ -42,11 +48,22 @@ class BuiltinMask(Value):
         alone (no position evaluated); ``None`` when it has none (it is then evaluated)."""
         return None
 
+    def terms(self) -> Terms:
+        """The terms kernels read (:mod:`qkv._core.terms`); by default none: the mask is
+        rest, evaluated position by position where a kernel needs positions."""
+        return Terms(rest=(self,))
+
+    def spec(self, tensors: list[Tensor]) -> str | None:
+        """Its spec (:mod:`qkv._core.spec`), its tensors appended to ``tensors``; ``None``
+        when it cannot cross a custom operator (it holds a user's mask_mod)."""
+        return None
+
     @property
     def __name__(self) -> str:  # error messages name a mask_mod by __name__
         return repr(self)
 
 
+@registered("causal", "band")
 class Band(BuiltinMask):
     """Attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded on that side)."""
 
@@ -60,6 +77,28 @@ class Band(BuiltinMask):
 
     def tile_states(self, g: Grid) -> Tensor:
         return band_states(self.lo, self.hi, g)
+
+    def terms(self) -> Terms:
+        return NONE if self.lo is None and self.hi is None else Terms(band=(self.lo, self.hi))
+
+    def spec(self, tensors: list[Tensor]) -> str:
+        if self.lo is None and _is_zero(self.hi):
+            return "causal"
+        return f"band({number(self.lo, tensors)},{number(self.hi, tensors)})"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> Band:
+        if not args:
+            return CAUSAL
+        lo, hi = (read(a, tensors) for a in args.split(","))
+        return Band(lo, hi, Band.named(lo, hi))
+
+    @staticmethod
+    def named(lo: int | None, hi: int | None) -> str:
+        """How a band made by simplification (or read back from a spec) is named."""
+        if lo is not None and lo <= 0 and hi is not None and hi >= 0:
+            return f"qkv.sliding_window({-lo})" if hi == 0 else f"qkv.sliding_window({-lo}, {hi})"
+        return f"band [{lo}, {hi}] of kv_idx - q_idx"
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         d = kv_idx - q_idx
@@ -76,10 +115,15 @@ class Band(BuiltinMask):
         return self._name
 
 
+def _is_zero(x: int | None) -> bool:
+    return x is not None and x == 0
+
+
 # qkv.causal itself (qkv.masks documents it): the band 0 <= q_idx - kv_idx
 CAUSAL = Band(None, 0, "qkv.causal")
 
 
+@registered("pad")
 class KvBelow(BuiltinMask):
     """Attend iff ``start <= kv_idx < limit``: ``limit`` an int or a per-batch ``[B]`` tensor;
     ``start`` ``None`` (0) or a per-batch ``[B]`` tensor (left padding)."""
@@ -126,6 +170,23 @@ class KvBelow(BuiltinMask):
     def tile_states(self, g: Grid) -> Tensor:
         return below_states(self.limit, g, self.start)
 
+    def terms(self) -> Terms:
+        return Terms(keys=Keys(self.limit, self.start))
+
+    def spec(self, tensors: list[Tensor]) -> str:
+        lim = (
+            slot(self.limit, tensors)
+            if isinstance(self.limit, Tensor)
+            else number(self.limit, tensors)
+        )
+        start = "-" if self.start is None else slot(self.start, tensors)
+        return f"pad({lim},{start})"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> KvBelow:
+        lim, start = (read(a, tensors) for a in args.split(","))
+        return KvBelow(lim, "padding", start)
+
     def carried(self) -> list[tuple[str, object]]:
         ends = "padding lengths" if self.start is None else "padding ends (start + lengths)"
         return [(ends, self.limit), ("padding starts", self.start)]
@@ -151,6 +212,7 @@ class KvBelow(BuiltinMask):
         return self._name
 
 
+@registered("doc")
 class Document(BuiltinMask):
     """Attend iff ``ids[q_idx] == ids[kv_idx]``."""
 
@@ -178,6 +240,16 @@ class Document(BuiltinMask):
     def tile_states(self, g: Grid) -> Tensor:
         return document_states(self.ids, g)
 
+    def terms(self) -> Terms:
+        return Terms(ids=self.ids)
+
+    def spec(self, tensors: list[Tensor]) -> str:
+        return f"doc({slot(self.ids, tensors)})"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> Document:
+        return Document(read(args, tensors))
+
     def carried(self) -> list[tuple[str, object]]:
         return [("document ids", self.ids)]
 
@@ -193,163 +265,92 @@ class Document(BuiltinMask):
         return f"qkv.document(<{self.ids.shape[0]} ids>)"
 
 
-class Combined(BuiltinMask):
-    def __init__(self, mods: tuple[Any, ...], name: str) -> None:
-        self.mods, self._name = mods, name
+@registered("prefix")
+class Prefix(BuiltinMask):
+    """``qkv.prefix_lm(P)``: attend iff ``kv_idx < P`` or causal."""
 
-    def params(self) -> tuple[object, ...]:
-        return self.mods
-
-    @staticmethod
-    def combine_states(a: Tensor, b: Tensor) -> Tensor:
-        """Two parts' tile states combined (and: the minimum, or: the maximum)."""
-        raise NotImplementedError
-
-    def tile_states(self, g: Grid) -> Tensor | None:
-        """Its parts' rules combined, when every part has one (``qkv.prefix_lm`` is the or
-        of a key prefix and causal)."""
-        out: Tensor | None = None
-        for m in self.mods:
-            part = m.tile_states(g) if isinstance(m, BuiltinMask) else None
-            if part is None:
-                return None
-            out = part if out is None else self.combine_states(out, part)
-        return out
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("part", m) for m in self.mods]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        for m in self.mods:
-            check = getattr(m, "_check_problem", None)
-            if check is not None:
-                check(B, H, Lq, Lk)
-
-    def __repr__(self) -> str:
-        return self._name
-
-
-class And(Combined):
-    @staticmethod
-    def combine_states(a: Tensor, b: Tensor) -> Tensor:
-        return torch.minimum(a, b)  # empty if any part is empty, full only if every part is
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        out = call_mod(self.mods[0], b, h, q_idx, kv_idx)
-        for m in self.mods[1:]:
-            out = out & call_mod(m, b, h, q_idx, kv_idx)
-        return out
-
-
-class Or(Combined):
-    @staticmethod
-    def combine_states(a: Tensor, b: Tensor) -> Tensor:
-        return torch.maximum(a, b)  # full if any part is, empty only if every part is
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        out = call_mod(self.mods[0], b, h, q_idx, kv_idx)
-        for m in self.mods[1:]:
-            out = out | call_mod(m, b, h, q_idx, kv_idx)
-        return out
-
-
-def call_mod(mod: Any, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """Call one combined mask_mod, checking its dtype but keeping its shape (so combinations
-    also work under FlexAttention's vmap, where the indices are scalars)."""
-    out = mod(b, h, q_idx, kv_idx)
-    if isinstance(out, bool):
-        return torch.tensor(out, device=q_idx.device)
-    if not isinstance(out, Tensor) or out.dtype != torch.bool:
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        check_mask_result(out, mod, shape)  # raises with the mask_mod's name
-    return out
-
-
-# -------------------------------------------------------------------------------------- scores
-
-
-class BuiltinScore(Value):
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        raise NotImplementedError
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        """Raise ValueError if this score_mod cannot describe a ``[B, H, Lq, Lk]`` problem."""
-
-    def carried(self) -> list[tuple[str, object]]:
-        """The tensors this score holds, as ``(what, tensor)`` (``qkv.distributed`` compares
-        them across ranks)."""
-        return []
-
-    def _heads(self, what: str, n: int, H: int) -> None:
-        if n != H:
-            raise ValueError(
-                f"{self!r}: {what} has {n} entries but q has {H} heads; give one per query head"
-            )
-
-
-class Alibi(BuiltinScore):
-    def __init__(self, slopes: Tensor) -> None:
-        self.slopes = slopes
-
-    def params(self) -> tuple[object, ...]:
-        return (self.slopes,)
-
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        slopes = self.slopes.to(device=score.device)
-        return score + slopes[h] * (kv_idx - q_idx)
-
-    def carried(self) -> list[tuple[str, object]]:
-        return [("slopes", self.slopes)]
-
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        self._heads("slopes", self.slopes.shape[0], H)
-
-    def __repr__(self) -> str:
-        return f"qkv.alibi(<{self.slopes.shape[0]} slopes>)"
-
-
-class Softcap(BuiltinScore):
     plain = True
 
-    def __init__(self, cap: float) -> None:
-        self.cap = cap
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
 
     def params(self) -> tuple[object, ...]:
-        return (self.cap,)
+        return (self.limit,)
 
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        return self.cap * torch.tanh(score / self.cap)
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx < self.limit) | (kv_idx <= q_idx)
+
+    def tile_states(self, g: Grid) -> Tensor:
+        return torch.maximum(below_states(self.limit, g), band_states(None, 0, g))
+
+    def terms(self) -> Terms:
+        return Terms(prefix=self.limit)
+
+    def spec(self, tensors: list[Tensor]) -> str:
+        return f"prefix({number(self.limit, tensors)})"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> Prefix:
+        return Prefix(read(args, tensors))
 
     def __repr__(self) -> str:
-        return f"qkv.softcap({self.cap})"
+        return f"qkv.prefix_lm({self.limit})"
 
 
-class RelativeBias(BuiltinScore):
-    def __init__(self, table: Tensor, max_distance: int) -> None:
-        self.table, self.max_distance = table, max_distance
+@registered("none")
+class AllTrue(BuiltinMask):
+    """No mask: every position may attend."""
+
+    plain = True
 
     def params(self) -> tuple[object, ...]:
-        return (self.table, self.max_distance)
+        return ()
 
-    def __call__(
-        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
-    ) -> Tensor:
-        r = self.max_distance
-        rel = (q_idx - kv_idx).clamp(-r, r) + r  # index into the table's first axis
-        table = self.table.to(device=score.device)
-        return score + table[rel, h]
+    def tile_states(self, g: Grid) -> Tensor:
+        return torch.full((1, 1, g.nq, g.nk), FULL, dtype=torch.int8)
 
-    def carried(self) -> list[tuple[str, object]]:
-        return [("table", self.table)]
+    def terms(self) -> Terms:
+        return NONE
 
-    def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        self._heads("table's second axis", self.table.shape[1], H)
+    def spec(self, tensors: list[Tensor]) -> str:
+        return "none"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> None:
+        return None
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+        return torch.ones((), dtype=torch.bool, device=q_idx.device).expand(shape)
 
     def __repr__(self) -> str:
-        return f"qkv.relative_bias(<table {list(self.table.shape)}>, {self.max_distance})"
+        return "none"
+
+
+@registered("tensor")
+class TensorMask(BuiltinMask):
+    """A bool tensor ``[B|1, H|1, Lq|1, Lk|1]`` (True = attend) seen as a mask_mod. Its
+    values are read where positions are needed: its terms are rest."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+    def params(self) -> tuple[object, ...]:
+        return (self.t,)
+
+    def spec(self, tensors: list[Tensor]) -> str:
+        return f"tensor({slot(self.t, tensors)})"
+
+    @classmethod
+    def from_spec(cls, args: str, tensors: list[Tensor]) -> Tensor:
+        return read(args, tensors)  # the tensor itself, as a mask= argument
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        idx = [
+            i if n > 1 else torch.zeros_like(i)
+            for i, n in zip((b, h, q_idx, kv_idx), self.t.shape, strict=True)
+        ]
+        return self.t[idx[0], idx[1], idx[2], idx[3]]
+
+    def __repr__(self) -> str:
+        return f"bool tensor {list(self.t.shape)}"

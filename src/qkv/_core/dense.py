@@ -20,7 +20,7 @@ def dense_mask(p: Problem, rows: tuple[int, int] | None = None) -> Tensor | None
     ``rows`` ``(r0, r1)``, only query rows ``r0 <= i < r1`` (broadcastable to ``[B, Hq,
     r1 - r0, Lk]``)."""
     m = p.mask
-    if m.kind == "none" or (m.tensor is not None and rows is None):
+    if m.is_none or (m.tensor is not None and rows is None):
         # Nothing to evaluate (no mask, or a bool tensor: its whole grid is itself), so no
         # region is built: that costs microseconds, a few % of a small SDPA call.
         return m.tensor
@@ -31,7 +31,7 @@ def dense_mask(p: Problem, rows: tuple[int, int] | None = None) -> Tensor | None
 def apply_score_mod(p: Problem, scores: Tensor, rows: tuple[int, int] | None = None) -> Tensor:
     """``scores [B, Hq, Lq, Lk]`` with the problem's score_mod (bias or callable) applied;
     with ``rows`` ``(r0, r1)``, ``scores`` are those query rows' only."""
-    if p.score.kind == "none":  # as above: no region built for nothing to apply
+    if p.score.is_none:  # as above: no region built for nothing to apply
         return scores
     b, h, q, k = whole(p.shape)
     return score_at(p.score, scores, b, h, rows or q, k)

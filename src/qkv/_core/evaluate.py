@@ -92,7 +92,7 @@ def mask_at(m: MaskKind, b: Axis, h: Axis, q: Axis, k: Axis, device: torch.devic
     """The mask at a region, bool ``[nb|1, nh|1, nq|1, nk|1]`` (True = may attend), or
     ``None`` for no mask: a bool tensor taken there (:func:`take`), a mask_mod called on
     the region's index tensors (on ``device``) and its result checked."""
-    if m.kind == "none":
+    if m.is_none:
         return None
     if m.tensor is not None:
         return take(m.tensor, b, h, q, k)

@@ -1,13 +1,12 @@
 """Masks and scores classified once, at the door.
 
 :func:`classify_mask` turns whatever was passed as ``mask=`` into one :class:`MaskKind` and
-:func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. Every later layer
-(tile planning, backend choice, kernels, inspection, the KV-cache shift) reads the kind's tag
-and fields. The built-in classes (:mod:`qkv._core.builtin_mods`) are known here and in
-:mod:`qkv._core.kindspec` (which rebuilds kinds from specs and makes the tokens of a call's
-signature).
+:func:`classify_score` turns ``score_mod=`` into one :class:`ScoreKind`. A kind holds the mask
+as a value of its class (:mod:`qkv._core.builtin_mods`: a tensor becomes a ``TensorMask``, a
+user's mask_mod stays itself) and the terms the kernels read (:mod:`qkv._core.terms`); every
+later layer asks these, never a tag.
 
-Combinations of built-ins are simplified to the kind they are, so that they reach the same
+Combinations of built-ins are simplified to the mask they are, so that they reach the same
 kernels as the mask they equal::
 
     and_masks(causal, sliding_window(w))       -> band [-w, 0]   (= sliding_window(w))
@@ -28,115 +27,36 @@ from typing import Any
 
 import torch
 
-from .._flex.compat import ModCall
-from .builtin_mods import (
-    CAUSAL,
-    Alibi,
-    And,
-    Band,
-    BuiltinMask,
-    Document,
-    KvBelow,
-    Or,
-    RelativeBias,
-    Softcap,
-)
+from .builtin_mods import CAUSAL, AllTrue, Band, BuiltinMask, Prefix, TensorMask
+from .builtin_scores import BuiltinScore
 from .checks import callable_name
-from .grid import FULL, Grid
+from .combinations import And, Combined, Or
+from .terms import NONE, Terms, meet_all
+from .usermod import UserMod
 
 Tensor = torch.Tensor
-
-MASK_KINDS = (
-    "none",
-    "causal",
-    "band",
-    "prefix",
-    "document",
-    "padding",
-    "and",
-    "or",
-    "tensor",
-    "mod",
-)
-SCORE_KINDS = ("none", "bias", "alibi", "softcap", "relative", "mod")
-
-
-class _AllTrue(BuiltinMask):
-    """The mask_mod of "no mask": every position may attend."""
-
-    plain = True
-
-    def params(self) -> tuple[object, ...]:
-        return ()
-
-    def tile_states(self, g: Grid) -> Tensor:
-        return torch.full((1, 1, g.nq, g.nk), FULL, dtype=torch.int8)
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        shape = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-        return torch.ones((), dtype=torch.bool, device=q_idx.device).expand(shape)
-
-    __name__ = "no mask"
-
-    def __repr__(self) -> str:
-        return "none"
-
-
-class _TensorMaskMod:
-    """A bool tensor ``[B|1, H|1, Lq|1, Lk|1]`` seen as a mask_mod."""
-
-    def __init__(self, t: Tensor) -> None:
-        self.t = t
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        idx = [
-            i if n > 1 else torch.zeros_like(i)
-            for i, n in zip((b, h, q_idx, kv_idx), self.t.shape, strict=True)
-        ]
-        return self.t[idx[0], idx[1], idx[2], idx[3]]
-
-    @property
-    def __name__(self) -> str:
-        return f"bool tensor {list(self.t.shape)}"
-
-    def __repr__(self) -> str:
-        return self.__name__
 
 
 @dataclass(frozen=True, eq=False)
 class MaskKind:
-    """One mask, classified. ``kind`` is one of :data:`MASK_KINDS`; the fields that kind
-    uses are set, the others keep their defaults.
+    """One mask, classified: ``mask_mod`` is the mask as a value of its class (a built-in, a
+    ``TensorMask`` for a bool tensor, or a user's mask_mod), ``terms`` what the kernels read.
 
-    - ``causal`` / ``band``: attend iff ``lo <= kv_idx - q_idx <= hi`` (``None`` = unbounded;
-      causal is ``lo=None, hi=0``).
-    - ``prefix``: ``kv_idx < limit`` or causal (``limit`` an int).
-    - ``padding``: ``start <= kv_idx < limit`` (``limit`` an int or a ``[B]`` tensor of
-      ends, ``start`` ``None`` = 0 or a ``[B]`` tensor).
-    - ``document``: ``ids[q_idx] == ids[kv_idx]``.
-    - ``and`` / ``or``: ``parts``, each a simplified kind (no nested and-in-and).
-    - ``tensor``: ``tensor``, a 4-D bool tensor broadcastable to ``[B, Hq, Lq, Lk]``.
-    - ``mod``: a user mask_mod, evaluated position by position through ``mask_mod``;
-      ``evaluation`` says how (``"broadcast"``, or ``"vmap"`` for mods written for vmap).
-
-    ``block`` is a prebuilt :class:`qkv.BlockMask` of this same mask (its tile plan), when one
-    was passed: it is a plan of a mask rather than a kind of its own, so every layer reads the
-    structure it was built from directly.
+    - ``parts``: for an ``and``/``or`` of masks, each part classified (no nested and-in-and).
+    - ``evaluation``: how a user's mask_mod is called (``"broadcast"``, or ``"vmap"`` for
+      mods written for vmap).
+    - ``block``: a prebuilt :class:`qkv.BlockMask` of this same mask (its tile plan), when one
+      was passed: it is a plan of a mask rather than a kind of its own, so every layer reads
+      the structure it was built from directly.
     """
 
-    kind: str
     mask_mod: Callable[..., Any]
+    terms: Terms = NONE
     source: object = None  # what was passed (names it in plans and errors)
-    lo: int | None = None
-    hi: int | None = None
-    limit: int | Tensor | None = None
-    start: Tensor | None = None  # padding: the first valid key of each batch element
-    ids: Tensor | None = None
     parts: tuple[MaskKind, ...] = ()
-    tensor: Tensor | None = None
     block: Any = None  # qkv.BlockMask | None (blockmask.py imports this module)
     evaluation: str = "broadcast"
-    simplified: bool = False  # True when a combination was reduced to a simpler kind
+    simplified: bool = False  # True when a combination was reduced to a simpler mask
 
     @property
     def name(self) -> str:
@@ -150,39 +70,62 @@ class MaskKind:
         """What was passed as ``mask=`` (a bool tensor right-aligned to 4 dims)."""
         if self.block is not None:
             return self.block
-        return None if self.kind == "none" and self.source is None else self.source
+        return None if self.is_none and self.source is None else self.source
+
+    @property
+    def is_none(self) -> bool:
+        """No mask: every position may attend."""
+        return self.terms.empty
 
     @property
     def is_band(self) -> bool:
-        return self.kind in ("causal", "band")
+        """A band of diagonals and nothing else (causal and sliding windows among them)."""
+        return self.terms.band is not None and self.terms.only(band=True)
+
+    @property
+    def is_causal(self) -> bool:
+        """Causal and nothing else (top-left aligned: ``kv_idx <= q_idx``)."""
+        return self.is_band and self.terms.causal
+
+    @property
+    def lo(self) -> int | None:
+        """The band's lower edge (``None``: unbounded, or not a band)."""
+        return self.terms.band[0] if self.terms.band is not None else None
+
+    @property
+    def hi(self) -> int | None:
+        """The band's upper edge (``None``: unbounded, or not a band)."""
+        return self.terms.band[1] if self.terms.band is not None else None
+
+    @property
+    def tensor(self) -> Tensor | None:
+        """The bool tensor, for a mask given as one."""
+        return self.mask_mod.t if isinstance(self.mask_mod, TensorMask) else None
+
+    @property
+    def is_user(self) -> bool:
+        """A user's mask_mod (code qkv cannot read: evaluated position by position)."""
+        return not isinstance(self.mask_mod, BuiltinMask)
 
     def with_block(self, bm: Any) -> MaskKind:
         return replace(self, block=bm)
 
     def document_causal(self) -> tuple[Tensor, bool] | None:
         """``(ids, causal)`` for ``document(ids)`` or ``and_masks(causal, document(ids))``."""
-        if self.kind == "document":
-            assert self.ids is not None
-            return self.ids, False
-        if self.kind == "and" and len(self.parts) == 2:
-            kinds = {p.kind: p for p in self.parts}
-            if set(kinds) == {"causal", "document"}:
-                ids = kinds["document"].ids
-                assert ids is not None
-                return ids, True
-        return None
+        t = self.terms
+        if t.ids is None or not t.only(band=True, ids=True):
+            return None
+        if t.band is None:
+            return t.ids, False
+        return (t.ids, True) if t.causal else None
 
 
 @dataclass(frozen=True, eq=False)
 class ScoreKind:
-    """One score, classified. ``kind`` is one of :data:`SCORE_KINDS`.
+    """One score, classified: ``bias``, a 4-D float tensor broadcastable to
+    ``[B, Hq, Lq, Lk]``, or ``score_mod``, a callable ``(score, b, h, q_idx, kv_idx) ->
+    score`` (a built-in's value or a user's, called as ``evaluation`` says); or neither."""
 
-    - ``bias``: ``bias``, a 4-D float tensor broadcastable to ``[B, Hq, Lq, Lk]``.
-    - ``alibi`` / ``softcap`` / ``relative`` / ``mod``: ``score_mod``, a callable
-      ``(score, b, h, q_idx, kv_idx) -> score``; ``evaluation`` as for masks.
-    """
-
-    kind: str
     score_mod: Callable[..., Any] | None = None
     bias: Tensor | None = None
     source: object = None
@@ -194,21 +137,30 @@ class ScoreKind:
         return self.source
 
     @property
+    def is_none(self) -> bool:
+        return self.score_mod is None and self.bias is None
+
+    @property
     def is_callable(self) -> bool:
         """True when a callable is applied to the scores (everything but none and bias)."""
         return self.score_mod is not None
 
     @property
+    def is_user(self) -> bool:
+        """A user's score_mod (code qkv cannot read)."""
+        return self.score_mod is not None and not isinstance(self.score_mod, BuiltinScore)
+
+    @property
     def name(self) -> str:
-        if self.kind == "none":
+        if self.is_none:
             return "none"
         if self.bias is not None:
             return f"bias tensor {list(self.bias.shape)}"
         return describe(self.source if self.source is not None else self.score_mod)
 
 
-NO_MASK = MaskKind("none", _AllTrue())
-NO_SCORE = ScoreKind("none")
+NO_MASK = MaskKind(AllTrue())
+NO_SCORE = ScoreKind()
 
 
 def describe(obj: object) -> str:
@@ -227,7 +179,7 @@ def _evaluation(fn: object) -> str:
     """How a user mod is called: "vmap" once it is known to work only under FlexAttention's
     convention (``qkv._flex.compat``), else "broadcast" (a score_mod decides on its first
     call, so its kind may say "broadcast" until then)."""
-    return "vmap" if isinstance(fn, ModCall) and fn.decided and fn.why is not None else "broadcast"
+    return "vmap" if isinstance(fn, UserMod) and fn.vmap_only else "broadcast"
 
 
 def classify_mask(mask: object) -> MaskKind:
@@ -237,19 +189,17 @@ def classify_mask(mask: object) -> MaskKind:
     if mask is None:
         return NO_MASK
     if isinstance(mask, Tensor):
-        return MaskKind("tensor", _TensorMaskMod(mask), source=mask, tensor=mask)
+        return MaskKind(TensorMask(mask), Terms(rest=(mask,)), source=mask)
     if isinstance(mask, Band):
         return _band(mask.lo, mask.hi, mask)
-    if isinstance(mask, KvBelow):
-        return MaskKind("padding", mask, source=mask, limit=mask.limit, start=mask.start)
-    if isinstance(mask, Document):
-        return MaskKind("document", mask, source=mask, ids=mask.ids)
     if isinstance(mask, And):
         return _simplify_and(tuple(classify_mask(m) for m in mask.mods), mask)
     if isinstance(mask, Or):
         return _simplify_or(tuple(classify_mask(m) for m in mask.mods), mask)
+    if isinstance(mask, BuiltinMask):  # its class says what it is
+        return MaskKind(mask, mask.terms(), source=mask)
     if callable(mask):
-        return MaskKind("mod", mask, source=mask, evaluation=_evaluation(mask))
+        return MaskKind(mask, Terms(rest=(mask,)), source=mask, evaluation=_evaluation(mask))
     raise TypeError(
         f"mask must be None, a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool, "
         f"a qkv.BlockMask or a FlexAttention BlockMask; got {type(mask).__name__}"
@@ -264,38 +214,31 @@ def band(lo: int | None, hi: int | None, name: str | None = None) -> MaskKind:
 def _band(lo: int | None, hi: int | None, source: object, name: str | None = None) -> MaskKind:
     if lo is None and hi is None:
         return replace(NO_MASK, source=source)
-    if lo is None and hi == 0:
-        mod: Any = source if isinstance(source, Band) else CAUSAL
-        return MaskKind("causal", mod, source=source, lo=None, hi=0)
     if isinstance(source, Band) and (source.lo, source.hi) == (lo, hi):
-        mod = source
+        mod: Band = source
+    elif lo is None and hi == 0:
+        mod = CAUSAL
     else:
-        mod = Band(lo, hi, name or _band_name(lo, hi))
-    return MaskKind("band", mod, source=source, lo=lo, hi=hi)
+        mod = Band(lo, hi, name or Band.named(lo, hi))
+    return MaskKind(mod, Terms(band=(lo, hi)), source=source)
 
 
-def _band_name(lo: int | None, hi: int | None) -> str:
-    if lo is not None and lo <= 0 and hi is not None and hi >= 0:
-        return f"qkv.sliding_window({-lo})" if hi == 0 else f"qkv.sliding_window({-lo}, {hi})"
-    return f"band [{lo}, {hi}] of kv_idx - q_idx"
-
-
-def _flatten(parts: tuple[MaskKind, ...], kind: str) -> list[MaskKind]:
+def _flatten(parts: tuple[MaskKind, ...], cls: type[Combined]) -> list[MaskKind]:
     out: list[MaskKind] = []
     for p in parts:
-        out.extend(p.parts if p.kind == kind else (p,))
+        out.extend(p.parts if p.parts and type(p.mask_mod) is cls else (p,))
     return out
 
 
 def _simplify_and(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
-    flat = [p for p in _flatten(parts, "and") if p.kind != "none"]
+    flat = [p for p in _flatten(parts, And) if not p.is_none]
     bands = [p for p in flat if p.is_band]
     if len(bands) > 1:  # bands intersect: the tightest edge on each side
         lows = [b.lo for b in bands if b.lo is not None]
         highs = [b.hi for b in bands if b.hi is not None]
         merged = band(max(lows) if lows else None, min(highs) if highs else None)
         flat = [merged, *(p for p in flat if not p.is_band)]
-    return _combined("and", flat, parts, source)
+    return _combined(And, flat, parts, source)
 
 
 def _by_lo(bands: list[MaskKind]) -> list[MaskKind]:
@@ -316,9 +259,17 @@ def _by_lo(bands: list[MaskKind]) -> list[MaskKind]:
     return out
 
 
+def _key_prefix(p: MaskKind) -> int | None:
+    """``P`` when ``p`` is ``kv_idx < P`` for an int ``P`` and nothing else."""
+    keys = p.terms.keys
+    if keys is None or keys.start is not None or not p.terms.only(keys=True):
+        return None
+    return keys.limit if isinstance(keys.limit, int) else None
+
+
 def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
-    flat = _flatten(parts, "or")
-    if any(p.kind == "none" for p in flat):
+    flat = _flatten(parts, Or)
+    if any(p.is_none for p in flat):
         return replace(NO_MASK, source=source, simplified=True)
     bands = _by_lo([p for p in flat if p.is_band])
     united: list[MaskKind] = []
@@ -331,19 +282,18 @@ def _simplify_or(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
             united.append(b)
     rest = [p for p in flat if not p.is_band]
     flat = [*united, *rest]
-    below = [
-        p for p in flat if p.kind == "padding" and isinstance(p.limit, int) and p.start is None
-    ]
-    if below and any(p.kind == "causal" for p in flat):  # kv_idx < P or causal: prefix-LM
-        P = max(int(b.limit) for b in below)  # type: ignore[arg-type]
-        mod = Or((KvBelow(P, f"kv_idx < {P}"), CAUSAL), f"qkv.prefix_lm({P})")
-        prefix = MaskKind("prefix", mod, limit=P)
-        flat = [prefix, *(p for p in flat if p.kind != "causal" and p not in below)]
-    return _combined("or", flat, parts, source)
+    below = [p for p in flat if _key_prefix(p) is not None]
+    if below and any(p.is_causal for p in flat):  # kv_idx < P or causal: prefix-LM
+        prefix = Prefix(max(P for P in map(_key_prefix, below) if P is not None))
+        flat = [
+            MaskKind(prefix, prefix.terms()),
+            *(p for p in flat if not p.is_causal and p not in below),
+        ]
+    return _combined(Or, flat, parts, source)
 
 
 def _combined(
-    kind: str, flat: list[MaskKind], parts: tuple[MaskKind, ...], source: object
+    cls: type[Combined], flat: list[MaskKind], parts: tuple[MaskKind, ...], source: object
 ) -> MaskKind:
     changed = len(flat) != len(parts) or any(a is not b for a, b in zip(flat, parts, strict=False))
     if not flat:
@@ -351,11 +301,13 @@ def _combined(
     if len(flat) == 1:
         return replace(flat[0], source=source, simplified=True)
     if not changed:
-        return MaskKind(kind, source, source=source, parts=tuple(flat))  # type: ignore[arg-type]
-    mods = tuple(p.mask_mod for p in flat)
-    joined = ", ".join(describe(m) for m in mods)
-    mod = (And if kind == "and" else Or)(mods, f"qkv.{kind}_masks({joined})")
-    return MaskKind(kind, mod, source=source, parts=tuple(flat), simplified=True)
+        mod: Combined = source  # type: ignore[assignment]
+    else:
+        mods = tuple(p.mask_mod for p in flat)
+        joined = ", ".join(describe(m) for m in mods)
+        mod = cls(mods, f"qkv.{cls.word}_masks({joined})")
+    terms = meet_all([(p.terms, p.mask_mod) for p in flat]) if cls is And else Terms(rest=(mod,))
+    return MaskKind(mod, terms, source=source, parts=tuple(flat), simplified=changed)
 
 
 # ----------------------------------------------------------------------------- scores
@@ -367,14 +319,11 @@ def classify_score(score_mod: object) -> ScoreKind:
     if score_mod is None:
         return NO_SCORE
     if isinstance(score_mod, Tensor):
-        return ScoreKind("bias", bias=score_mod, source=score_mod)
-    for cls, kind in ((Alibi, "alibi"), (Softcap, "softcap"), (RelativeBias, "relative")):
-        if isinstance(score_mod, cls):
-            return ScoreKind(kind, score_mod=score_mod, source=score_mod)
+        return ScoreKind(bias=score_mod, source=score_mod)
+    if isinstance(score_mod, BuiltinScore):
+        return ScoreKind(score_mod=score_mod, source=score_mod)
     if callable(score_mod):
-        return ScoreKind(
-            "mod", score_mod=score_mod, source=score_mod, evaluation=_evaluation(score_mod)
-        )
+        return ScoreKind(score_mod=score_mod, source=score_mod, evaluation=_evaluation(score_mod))
     raise TypeError(
         f"score_mod must be None, a float bias tensor, or a callable "
         f"(score, b, h, q_idx, kv_idx) -> score; got {type(score_mod).__name__}"

@@ -1,21 +1,12 @@
-"""Classified masks and scores as plain values: a spec string and a list of tensors.
+"""Classified masks and scores as plain values: a spec string with a list of tensors (for
+custom operators), and tokens (for a call's signature).
 
 A custom operator (``torch.library``) takes tensors and scalars only, so a call that crosses
 one as a whole (the block-sparse engine under ``torch.compile``) carries its mask and score
 as :func:`mask_spec` / :func:`score_spec` give them and rebuilds the same kinds on the other
-side (:func:`mask_from_spec`, :func:`score_from_spec`)::
-
-    and_masks(causal, document(ids))   -> "and(causal;doc(#0))", [ids]
-    sliding_window(4)                  -> "band(-4,0)", []
-    alibi(slopes)                      -> "alibi(#0)", [slopes]
-
-The spec holds the structure and the numbers that decide it (band edges, a prefix length, a
-softcap), which dynamo guards on like any constant it reads (under ``dynamic=True`` those
-numbers are symbolic: each travels as a 0-d tensor in a slot marked ``@``); the tensors
-(document ids, padding lengths, bool masks, biases, ALiBi slopes, relative tables) travel as
-graph inputs, so new values of the same shapes reuse the compiled graph. A user's mask_mod or
-score_mod, and anything holding one, has no spec (``None``): it cannot cross an operator
-boundary.
+side (:func:`mask_from_spec`, :func:`score_from_spec`). Each built-in class writes and reads
+its own spec (:mod:`qkv._core.spec`); a user's mask_mod or score_mod, and anything holding
+one, has no spec (``None``): it cannot cross an operator boundary.
 
 The same masks and scores as *tokens* (:func:`mask_token`, :func:`score_token`): hashable
 parts of a call's signature (``qkv._planning.signature``), under which the planner keeps the
@@ -28,19 +19,11 @@ import weakref
 
 import torch
 
-from .._flex.compat import ModCall
-from .builtin_mods import (
-    CAUSAL,
-    Alibi,
-    And,
-    Document,
-    KvBelow,
-    Or,
-    RelativeBias,
-    Softcap,
-)
-from .kinds import NO_MASK, NO_SCORE, MaskKind, ScoreKind, band, classify_mask, classify_score
-from .tracing import is_symbolic
+from .builtin_mods import BuiltinMask
+from .builtin_scores import BuiltinScore
+from .kinds import MaskKind, ScoreKind, classify_mask, classify_score
+from .spec import from_spec, slot
+from .usermod import unwrapped
 from .value import Value
 
 Tensor = torch.Tensor
@@ -60,150 +43,31 @@ __all__ = [
 ]
 
 
-def _slot(t: Tensor, tensors: list[Tensor]) -> str:
-    tensors.append(t)
-    return f"#{len(tensors) - 1}"
-
-
-def _number(x: float | None, tensors: list[Tensor]) -> str:
-    """A number of a spec (a band edge, a prefix or padding length, a distance, a softcap)
-    written out. A symbolic one (dynamo traces with ``dynamic=True``; a spec must be a
-    constant) travels as a 0-d tensor in a slot marked ``@``, read back in the operator."""
-    if x is None:
-        return "-"
-    if not is_symbolic(x):
-        return repr(x)
-    dtype = torch.float64 if isinstance(x, float) else torch.int64
-    tensors.append(torch.scalar_tensor(x, dtype=dtype))
-    return f"@{len(tensors) - 1}"
-
-
-def has_numbers(spec: str) -> bool:
-    """Whether ``spec`` holds ints in slots (see :func:`_number`): it then says less than the
-    kind it describes, whose ints are read from its tensors."""
-    return "@" in spec
-
-
 def mask_spec(m: MaskKind, tensors: list[Tensor]) -> str | None:
     """The spec of ``m``; its tensors are appended to ``tensors``. ``None`` when it holds a
     user's mask_mod."""
-    if m.kind == "none":
-        return "none"
-    if m.kind == "causal":
-        return "causal"
-    if m.kind == "band":
-        return f"band({_number(m.lo, tensors)},{_number(m.hi, tensors)})"
-    if m.kind == "prefix":
-        return f"prefix({_number(m.limit, tensors)})" if isinstance(m.limit, int) else None
-    if m.kind == "document" and m.ids is not None:
-        return f"doc({_slot(m.ids, tensors)})"
-    if m.kind == "padding":
-        lim = (
-            _number(m.limit, tensors) if isinstance(m.limit, int) else _slot(m.limit, tensors)  # type: ignore[arg-type]
-        )
-        start = "-" if m.start is None else _slot(m.start, tensors)
-        return f"pad({lim},{start})"
-    if m.kind == "tensor" and m.tensor is not None:
-        return f"tensor({_slot(m.tensor, tensors)})"
-    if m.kind in ("and", "or"):
-        parts = [mask_spec(p, tensors) for p in m.parts]
-        if any(s is None for s in parts):
-            return None
-        return f"{m.kind}({';'.join(parts)})"  # type: ignore[arg-type]
-    return None  # "mod": a user's mask_mod
+    mod = m.mask_mod
+    return mod.spec(tensors) if isinstance(mod, BuiltinMask) else None
 
 
 def score_spec(s: ScoreKind, tensors: list[Tensor]) -> str | None:
     """The spec of ``s``; its tensors are appended to ``tensors``. ``None`` for a user's
     score_mod."""
-    src = s.source
-    if s.kind == "none":
+    if s.bias is not None:
+        return f"bias({slot(s.bias, tensors)})"
+    if s.score_mod is None:
         return "none"
-    if s.kind == "bias" and s.bias is not None:
-        return f"bias({_slot(s.bias, tensors)})"
-    if s.kind == "alibi" and isinstance(src, Alibi):
-        return f"alibi({_slot(src.slopes, tensors)})"
-    if s.kind == "softcap" and isinstance(src, Softcap):
-        return f"softcap({_number(src.cap, tensors)})"
-    if s.kind == "relative" and isinstance(src, RelativeBias):
-        return f"relative({_slot(src.table, tensors)},{_number(src.max_distance, tensors)})"
-    return None
-
-
-# ------------------------------------------------------------------------------ rebuilding
-
-
-def _split(args: str) -> list[str]:
-    """Top-level ``;``-separated parts of ``args`` (parentheses nest)."""
-    parts, depth, at = [], 0, 0
-    for i, c in enumerate(args):
-        depth += (c == "(") - (c == ")")
-        if c == ";" and depth == 0:
-            parts.append(args[at:i])
-            at = i + 1
-    return [*parts, args[at:]]
-
-
-def _parse(spec: str) -> tuple[str, str]:
-    name, _, rest = spec.partition("(")
-    return name, rest[:-1] if rest else ""
-
-
-def _value(x: str, tensors: list[Tensor]) -> Tensor | int | None:
-    if x == "-":
-        return None
-    if x.startswith("@"):  # a number in a slot
-        return tensors[int(x[1:])].item()  # type: ignore[return-value]
-    return tensors[int(x[1:])] if x.startswith("#") else int(x)
+    return s.score_mod.spec(tensors) if isinstance(s.score_mod, BuiltinScore) else None
 
 
 def mask_from_spec(spec: str, tensors: list[Tensor]) -> MaskKind:
     """The kind :func:`mask_spec` described, with ``tensors`` in its slots."""
-    name, args = _parse(spec)
-    if name == "none":
-        return NO_MASK
-    if name == "causal":
-        return classify_mask(CAUSAL)
-    if name == "band":
-        lo, hi = (_value(a, tensors) for a in args.split(","))
-        return band(lo, hi)  # type: ignore[arg-type]
-    if name == "prefix":
-        P = _value(args, tensors)
-        assert isinstance(P, int)
-        mod = Or((KvBelow(P, f"kv_idx < {P}"), CAUSAL), f"qkv.prefix_lm({P})")
-        return MaskKind("prefix", mod, limit=P)
-    if name == "doc":
-        return classify_mask(Document(tensors[int(args[1:])]))
-    if name == "pad":
-        lim, start = (_value(a, tensors) for a in args.split(","))
-        obj = KvBelow(lim, "padding", start)  # type: ignore[arg-type]
-        return MaskKind("padding", obj, source=obj, limit=lim, start=start)  # type: ignore[arg-type]
-    if name == "tensor":
-        return classify_mask(tensors[int(args[1:])])
-    if name in ("and", "or"):
-        parts = tuple(mask_from_spec(a, tensors) for a in _split(args))
-        mods = tuple(p.mask_mod for p in parts)
-        joined: And | Or = And(mods, spec) if name == "and" else Or(mods, spec)
-        return MaskKind(name, joined, source=joined, parts=parts)
-    raise ValueError(f"not a mask spec: {spec!r}")
+    return classify_mask(from_spec(spec, tensors))
 
 
 def score_from_spec(spec: str, tensors: list[Tensor]) -> ScoreKind:
     """The kind :func:`score_spec` described, with ``tensors`` in its slots."""
-    name, args = _parse(spec)
-    if name == "none":
-        return NO_SCORE
-    if name == "bias":
-        return classify_score(tensors[int(args[1:])])
-    if name == "alibi":
-        return classify_score(Alibi(tensors[int(args[1:])]))
-    if name == "softcap":
-        cap = float(tensors[int(args[1:])].item() if args.startswith("@") else args)
-        return classify_score(Softcap(cap))
-    if name == "relative":
-        t, r = args.split(",")
-        return classify_score(RelativeBias(tensors[int(t[1:])], _value(r, tensors)))  # type: ignore[arg-type]
-    raise ValueError(f"not a score spec: {spec!r}")
+    return classify_score(from_spec(spec, tensors))
 
 
 # --------------------------------------------------------------------- signatures
@@ -220,7 +84,7 @@ class Unwatched(tuple[object, ...]):
 def unwatched(m: MaskKind) -> bool:
     """True when ``m``'s tile plan reads values a signature does not watch (see
     :class:`Unwatched`): such a kept plan plans its tiles again at each call."""
-    if m.block is not None or m.kind in ("mod", "tensor"):
+    if m.block is not None or m.tensor is not None or m.is_user:
         return True
     return any(unwatched(part) for part in m.parts)
 
@@ -232,7 +96,7 @@ def problem_mask_token(m: MaskKind) -> object | None:
         return None if states is None else Unwatched(("block", weakref.ref(m.block), states))
     if m.tensor is not None:  # any bool tensor of this shape is decided the same way
         return Unwatched(("tensor", tuple(m.tensor.shape), m.tensor.device))
-    return mask_token(m.source if m.kind != "none" else None)
+    return mask_token(None if m.is_none else m.source)
 
 
 def mask_token(mask: object) -> object | None:
@@ -250,8 +114,7 @@ def mask_token(mask: object) -> object | None:
 
 
 def _mod_token(mod: object) -> object | None:
-    if isinstance(mod, ModCall):  # the door's wrapper of a user's mod: the mod is the key
-        mod = mod.fn
+    mod = unwrapped(mod)  # the door's wrapper of a user's mod: the mod is the key
     try:
         return Unwatched(("mod", weakref.ref(mod)))
     except TypeError:
@@ -297,8 +160,7 @@ def score_token(score: object) -> object | None:
         return None if token is None else ("bias", token)
     if isinstance(score, Value):
         return value_token(score)
-    if isinstance(score, ModCall):  # the door's wrapper of a user's mod: the mod is the key
-        score = score.fn
+    score = unwrapped(score)  # the door's wrapper of a user's mod: the mod is the key
     try:
         return weakref.ref(score)
     except TypeError:

@@ -103,7 +103,7 @@ def shift_band(m: MaskKind, d: int, Lq: int, Lk: int) -> MaskLike:
 def mask_at(mask: MaskLike, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> MaskLike:
     """The mask to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
     kind = mask_kind(mask)
-    if kind.kind in ("none", "tensor"):
+    if kind.is_none or kind.tensor is not None:
         return mask  # a tensor already spans the buffer's [Lq, Lk]
     if kind.is_band and isinstance(kv_pos, int):
         return shift_band(kind, q_offset - kv_pos, Lq, Lk)
@@ -112,6 +112,6 @@ def mask_at(mask: MaskLike, q_offset: int, kv_pos: KvPos, Lq: int, Lk: int) -> M
 
 def score_at(score_mod: ScoreLike, q_offset: int, kv_pos: KvPos, Lq: int) -> ScoreLike:
     """The score_mod to give :func:`qkv.attention` over the buffer ``[Lq, Lk]``."""
-    if classify_score(score_mod).kind in ("none", "bias"):
+    if not classify_score(score_mod).is_callable:
         return score_mod  # a bias already spans the buffer's [Lq, Lk]
     return ScoreAt(score_mod, q_offset, kv_pos, q_offset + Lq)

@@ -31,8 +31,7 @@ Tensor = torch.Tensor
 @dataclass(frozen=True, eq=False)
 class Problem:
     """One attention call, normalised to 4-D ``[B, H, L, D]`` views, its mask and score
-    classified (``mask.kind`` in :data:`qkv._core.kinds.MASK_KINDS`, ``score.kind`` in
-    :data:`qkv._core.kinds.SCORE_KINDS`)."""
+    classified (:class:`qkv._core.kinds.MaskKind`, :class:`qkv._core.kinds.ScoreKind`)."""
 
     q: Tensor  # [B, Hq, Lq, D]
     k: Tensor  # [B, Hkv, Lk, D]

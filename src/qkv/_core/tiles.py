@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .builtin_mods import BuiltinMask, Combined
+from .builtin_mods import BuiltinMask
+from .combinations import Combined
 from .evaluate import mask_at
 from .grid import DEFAULT_BLOCK, EMPTY, EVAL_BUDGET, FULL, PARTIAL, Grid
 from .kinds import MaskKind

@@ -33,6 +33,7 @@ import torch
 
 from .._core.checks import broadcastable, callable_name, check_mask_result, check_score_result
 from .._core.tracing import assume_constant_result, is_symbolic
+from .._core.usermod import UserMod
 from .traceable import refuse_under_fullgraph
 
 Tensor = torch.Tensor
@@ -201,19 +202,18 @@ def _probe(B: int, H: int, Lq: int, Lk: int, device: torch.device) -> tuple[Tens
     )
 
 
-class ModCall:
+class ModCall(UserMod):
     """A user mod called with qkv's broadcast convention: directly where broadcasting works
     for it, else per element through :func:`vmap_grid`. Decided when made (``why`` given)
     or, made with ``decided=False``, on its first call."""
 
     def __init__(self, kind: str, fn: Callable[..., Any], why: str | None, decided: bool) -> None:
-        # fn stays an attribute: the block-sparse backward finds a score_mod's learnable
-        # captured tensors by looking into it (backends/blocksparse.py, _captured).
-        self.kind, self.fn, self.why, self.decided = kind, fn, why, decided
+        super().__init__(fn, why, decided)
+        self.role = kind  # "mask_mod" or "score_mod": how it is called and named
 
     def __call__(self, *args: Tensor) -> Any:
         if torch.compiler.is_compiling():  # (a block mask's mod: not adopted in this trace)
-            traced_convention(self.kind, self.fn, args[0].device.type)  # fullgraph's check
+            traced_convention(self.role, self.fn, args[0].device.type)  # fullgraph's check
         if not self.decided:
             try:
                 # qkv.block_mask evaluates a mask at each position exactly once: a mask_mod
@@ -221,17 +221,17 @@ class ModCall:
                 # While dynamo traces, values cannot be compared: decided by what
                 # broadcasting returns, and not remembered for eager calls.
                 tracing = torch.compiler.is_compiling()
-                alone = self.kind == "score_mod" and not tracing
-                out, self.why = _decide(self.kind, self.fn, args, alone)
+                alone = self.role == "score_mod" and not tracing
+                out, self.why = _decide(self.role, self.fn, args, alone)
             except _SameError as e:  # its own bug: raised as it is
                 raise e.error from None
             self.decided = True
             if alone:  # a full decision (a lazy mask's skips the check of positions alone)
-                _remember(self.kind, self.fn, args[0].device.type, self.why)
+                _remember(self.role, self.fn, args[0].device.type, self.why)
             return out
         if self.why is None:
             return self.fn(*args)
-        return vmap_grid(self.fn, args, torch.bool if self.kind == "mask_mod" else args[0].dtype)
+        return vmap_grid(self.fn, args, torch.bool if self.role == "mask_mod" else args[0].dtype)
 
     @property
     def __name__(self) -> str:
@@ -380,7 +380,7 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    # the parts of qkv._core.builtin_mods.Combined, qkv._core.positions.MaskAt and ScoreAt
+    # the parts of qkv._core.combinations.Combined, qkv._core.positions.MaskAt and ScoreAt
     for attr in ("mods", "mod"):
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:

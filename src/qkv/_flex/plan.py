@@ -89,15 +89,15 @@ def plan_notes(p: Any) -> list[str]:
     for w in _wrappers(p.mask.mask_mod) + _wrappers(p.score.score_mod):
         with torch.no_grad():
             if not w.decided:
-                w(*_args(w.kind, _probe(p.B, p.Hq, p.Lq, p.Lk, p.device), p.compute_dtype))
+                w(*_args(w.role, _probe(p.B, p.Hq, p.Lq, p.Lk, p.device), p.compute_dtype))
             if w.why is None:
                 continue
             r, c = min(p.Lq, _TILE), min(p.Lk, _TILE)
-            args = _args(w.kind, grid((0, 1), (0, 1), (0, r), (0, c), p.device), p.compute_dtype)
+            args = _args(w.role, grid((0, 1), (0, 1), (0, r), (0, c), p.device), p.compute_dtype)
             own = _seconds(functools.partial(w, *args), p.device)
-        tv, tb = _typical_cost(w.kind, p.device)
+        tv, tb = _typical_cost(w.role, p.device)
         notes.append(
-            f"{w.kind} {w.__name__} is evaluated through torch.vmap ({w.why}): about "
+            f"{w.role} {w.__name__} is evaluated through torch.vmap ({w.why}): about "
             f"{tv / tb:.1f}x slower to evaluate than a broadcast mod (a table lookup on a "
             f"{_TILE}x{_TILE} tile: {tv * 1e6:.0f} us through vmap, {tb * 1e6:.0f} us "
             f"broadcast; {w.__name__} takes {own * 1e6:.0f} us on a {r}x{c} tile of one (b, h))"

@@ -63,7 +63,7 @@ def _tiles(p: Problem, route: Route) -> str | None:
 def _density(p: Problem) -> float | None:
     """Exact fraction of visible pairs for band masks and tensors; None when unknown cheaply."""
     m, n = p.mask, p.Lq * p.Lk
-    if m.kind == "none":
+    if m.is_none:
         return 1.0
     if n == 0:
         return 0.0

@@ -74,7 +74,7 @@ def of_problem(p: Problem, backend: object, dense_limit: int) -> Signature | Non
     if torch.compiler.is_compiling():
         return None
     mask = problem_mask_token(p.mask)
-    score = score_token(p.score.source if p.score.kind != "none" else None)
+    score = score_token(None if p.score.is_none else p.score.source)
     if mask is None or score is None:
         return None
     grad = torch.is_grad_enabled()

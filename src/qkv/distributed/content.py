@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from .._core.builtin_mods import BuiltinMask, BuiltinScore
+from .._core.builtin_mods import BuiltinMask
+from .._core.builtin_scores import BuiltinScore
 from .._core.checks import callable_name
 from .._core.evaluate import mask_at, score_at
 from .._core.problem import Problem

@@ -48,6 +48,11 @@ class Layout:
     world_size: int
     L: int
 
+    @property
+    def zigzag(self) -> bool:
+        """Each rank holds two chunks, one from each end (load-balanced causal)."""
+        return self.kind == "zigzag"  # the layout's name, as the user gave it
+
     def __post_init__(self) -> None:
         check_layout(self.kind)
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
@@ -59,7 +64,7 @@ class Layout:
 
     @property
     def n_chunks(self) -> int:
-        return 2 * self.world_size if self.kind == "zigzag" else self.world_size
+        return 2 * self.world_size if self.zigzag else self.world_size
 
     @property
     def chunk(self) -> int:
@@ -75,7 +80,7 @@ class Layout:
         return b - a
 
     def chunks(self, rank: int) -> tuple[int, ...]:
-        if self.kind == "zigzag":
+        if self.zigzag:
             return (rank, self.n_chunks - 1 - rank)
         return (rank,)
 

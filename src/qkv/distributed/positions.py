@@ -29,10 +29,9 @@ def _slice(t: Tensor, q: tuple[int, int], k: tuple[int, int]) -> Tensor:
 
 def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> MaskLike:
     """The ``mask=`` of the partial call over queries ``[q0, q1)`` and keys ``[k0, k1)``."""
-    if m.kind == "none":
+    if m.is_none:
         return None
-    if m.kind == "tensor":
-        assert m.tensor is not None
+    if m.tensor is not None:
         return _slice(m.tensor, q, k)
     lq, lk = q[1] - q[0], k[1] - k[0]
     if m.is_band:
@@ -42,7 +41,7 @@ def mask_for(m: MaskKind, q: tuple[int, int], k: tuple[int, int], L: int) -> Mas
 
 def score_for(s: ScoreKind, q: tuple[int, int], k: tuple[int, int], L: int) -> ScoreLike:
     """The ``score_mod=`` of the same partial call."""
-    if s.kind == "none":
+    if s.is_none:
         return None
     if s.bias is not None:
         return _slice(s.bias, q, k)

@@ -54,7 +54,7 @@ class HFMask:
 
 
 def _needs_evaluation(k: MaskKind) -> bool:
-    if k.kind in ("mod", "tensor"):
+    if k.is_user or k.tensor is not None:
         return True
     return any(_needs_evaluation(p) for p in k.parts)
 

@@ -19,13 +19,13 @@ tiles run with no masking; partial tiles evaluate the mask for themselves only.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
-from ..base import SMALL_DENSE, Backend, Route, Runner, no_keys_result, unit_last_stride
+from ..base import SMALL_DENSE, Backend, Recipe, Route, Runner, no_keys_result, unit_last_stride
 from . import autograd, compiled, schedule
 from .autograd import BlockSparseAttention, captured, reaches_hidden
 from .forward import forward
@@ -51,7 +51,7 @@ class BlocksparseBackend(Backend):
     def claims(self, p: Problem) -> str | None:
         if torch.compiler.is_compiling():
             return None  # its planning reads tensor values: the reference formula traces
-        if p.mask.kind in ("none", "causal") or native_band(p, build=False) is not None:
+        if p.mask.is_none or p.mask.is_causal or native_band(p, build=False) is not None:
             return None
         # Measured (benchmarks/RESULTS.md): faster than the SDPA route (which evaluates the
         # mask into a dense tensor every call) at every size, 1.2x at n=64 to 2.6x at 256.
@@ -103,7 +103,7 @@ class BlocksparseBackend(Backend):
             )
         # The tile plan shown: the job's own, or (for routes that need none) the default one.
         block = job.block
-        if block is None and dry_run and p.mask.kind != "none":
+        if block is None and dry_run and not p.mask.is_none:
             block = block_mask_of(p, (DEFAULT_BLOCK, DEFAULT_BLOCK))
         return Route(
             forward=fwd,
@@ -121,7 +121,7 @@ class BlocksparseBackend(Backend):
         return route
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        if route.detail is None or route.detail is _EAGER:
+        if not isinstance(route.detail, Job):
             return None
         return _band_runner(p, route.detail)
 
@@ -136,7 +136,8 @@ class BlocksparseBackend(Backend):
 
             m, s = p.mask.source, p.score.source
             return eagerly(self, p.q, p.k, p.v, m, s, p.scale, p.dropout_p, p.return_lse)
-        job: Job = route.detail
+        job = route.detail
+        assert isinstance(job, Job)
         # a kept job whose tiles were planned from another call's values plans this call's
         job = job.for_run(call=p) if job.tiles_for(p) else make_job(p)
         if p.B * p.Hq * p.Lq == 0:
@@ -173,7 +174,13 @@ class BlocksparseBackend(Backend):
         return _maybe_lse(p, (out, lse))
 
 
-_EAGER = "eager"  # Route.detail of a call that runs the engine eagerly under torch.compile
+@dataclass(frozen=True)
+class Eagerly(Recipe):
+    """Under torch.compile: the engine runs eagerly behind one graph break (what its
+    operator cannot take). ``None`` as the recipe there means the operators run."""
+
+
+_EAGER = Eagerly()
 
 
 def _band_runner(p: Problem, job: Job) -> Runner | None:

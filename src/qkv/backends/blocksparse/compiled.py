@@ -21,15 +21,10 @@ import torch
 
 from ..._core.evaluate import mask_at, whole
 from ..._core.kinds import MaskKind, ScoreKind, classify_mask
-from ..._core.kindspec import (
-    has_numbers,
-    mask_from_spec,
-    mask_spec,
-    score_from_spec,
-    score_spec,
-)
+from ..._core.kindspec import mask_from_spec, mask_spec, score_from_spec, score_spec
 from ..._core.lru import LRU
 from ..._core.problem import Problem
+from ..._core.spec import has_numbers, holds_tensors
 from ..._core.tracing import assume_constant_result, is_symbolic
 from ..._planning.signature import native_setting
 from ..base import HUGE_LOGIT, unit_last_stride
@@ -97,7 +92,12 @@ def _band_kernel(p: Problem) -> bool:
     then the graph calls the kernel's own operators directly (:class:`_Band`), without the
     Python of the ``qkv::blocksparse`` operators, which cost ~0.2-0.4 ms a call beside a
     kernel of ~10 ms (benchmarks/RESULTS.md)."""
-    if p.mask.kind != "band" or p.device.type != "cpu" or not _band_kernel_loaded():
+    if (
+        not p.mask.is_band
+        or p.mask.is_causal
+        or p.device.type != "cpu"
+        or not _band_kernel_loaded()
+    ):
         return False
     return make_job(p, dry_run=True).route == "native_band"
 
@@ -200,7 +200,6 @@ def _kind(spec: str, tensors: list[Tensor], kept: LRU[str, Any], parse: Any) -> 
 # operators then plan once per shape, not at every call (the eager path keeps its plans under
 # the call's signature). Bounded; a graph has few shapes.
 _JOBS: LRU[tuple[object, ...], Job] = LRU(64)
-_KEPT_MASKS = ("none", "causal", "band(", "prefix(")
 
 
 def _job(p: Problem, ms: str, ss: str) -> Job:
@@ -209,7 +208,7 @@ def _job(p: Problem, ms: str, ss: str) -> Job:
     tensors' values are read from the bound problem at every call)."""
     if has_numbers(ms) or has_numbers(ss):  # the ints the specs left in slots, written out
         ms, ss = mask_spec(p.mask, []) or "", score_spec(p.score, []) or ""
-    if not ms.startswith(_KEPT_MASKS) or ss.startswith("bias("):
+    if holds_tensors(ms) or holds_tensors(ss):
         return make_job(p)
     q, k, v = p.q, p.k, p.v
     key = (ms, ss, q.shape, k.shape, v.shape, q.dtype, q.device, p.scale, q.requires_grad,

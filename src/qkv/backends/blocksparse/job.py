@@ -21,6 +21,7 @@ from ..._core.evaluate import Axis, mask_at, score_at, size, take
 from ..._core.kinds import MaskKind
 from ..._core.problem import Problem
 from ...blockmask import BlockMask
+from ..base import Recipe
 
 Tensor = torch.Tensor
 
@@ -139,7 +140,7 @@ _PER_CALL = frozenset({"call", "seed", "params", "watch"})  # what Job.for_run s
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class Job:
+class Job(Recipe):
     """Everything the kernels need for one call besides the tensors: the route the plan chose
     (``route``, a :data:`JobRoute`), its schedule, and where the mask and score come from.
     Frozen: the plan decides it once and keeps it unbound (no problem, so none of the call's

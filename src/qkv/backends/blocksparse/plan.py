@@ -65,7 +65,7 @@ def native_band(p: Problem, *, build: bool = True) -> str | None:
     m = p.mask
     if p.score.bias is not None:
         return "a bias is added"
-    if m.kind != "band" or m.lo is None or m.hi is None:
+    if not m.is_band or m.lo is None or m.hi is None:
         return "the mask is not a band with both edges (a sliding window)"
     if m.hi < m.lo:
         return "the band is empty (every key is masked)"
@@ -139,7 +139,7 @@ def _torch_job(p: Problem, fused: bool) -> Job:
         bwd_build=(
             functools.partial(schedule.key_schedule, bm, max_span, bq, elems) if grouped else None
         ),
-        masked=m.kind != "none",
+        masked=not m.is_none,
         mask_dims=md,
         block=bm,
         replan=unwatched(m),
@@ -165,11 +165,11 @@ def _segments(p: Problem) -> list[Segment]:
 
 def _mask_free_calls(p: Problem) -> list[Segment]:
     m = p.mask
-    if m.kind in ("none", "causal"):
-        return [(0, p.Lq, 0, p.Lk, m.kind == "causal")]
-    if m.kind == "prefix":
-        assert isinstance(m.limit, int)
-        P = min(m.limit, p.Lk)
+    if m.is_none or m.is_causal:
+        return [(0, p.Lq, 0, p.Lk, m.is_causal)]
+    prefix = m.terms.prefix
+    if prefix is not None and m.terms.only(prefix=True):
+        P = min(prefix, p.Lk)
         if P == 0:
             return [(0, p.Lq, 0, p.Lk, True)]
         segs: list[Segment] = [(0, min(P, p.Lq), 0, P, False)]
@@ -205,7 +205,7 @@ def describe(job: Job) -> tuple[str, str]:
         n = len(job.segments)
         if n == 1 and job.segments[0][:2] == (0, p.Lq):
             fwd = "torch's fused CPU flash kernel on the whole problem (it returns the lse)"
-        elif p.mask.kind == "prefix":
+        elif p.mask.terms.prefix is not None:
             fwd = (
                 f"torch's fused CPU flash kernel: prefix and causal parts ({n} calls, "
                 f"merged by lse)"

@@ -53,14 +53,10 @@ LIBRARY = NativeLibrary(
 )
 
 
-_RUN_KINDS = ("none", "causal", "band", "padding")  # kinds whose rows see one run of keys
-
-
 def one_run_per_row(m: MaskKind) -> bool:
-    """True when every row of ``m`` sees one contiguous run of keys (what the kernel takes),
-    read from the kind alone: nothing is built."""
-    parts = m.parts if m.kind == "and" else (m,)
-    return all(part.kind in _RUN_KINDS for part in parts)
+    """True when every row of ``m`` sees one contiguous run of keys (what the kernel takes):
+    its terms are at most a band and a key range per batch element; nothing is built."""
+    return m.terms.only(band=True, keys=True)
 
 
 def key_ranges(
@@ -74,22 +70,14 @@ def key_ranges(
         return None
     far = Lq + Lk  # "unbounded": beyond every key of every row, and no overflow in C++
     lo, hi = -far, far
-    start: Tensor | None = None
-    end: Tensor | None = None
-    parts = m.parts if m.kind == "and" else (m,)
-    for part in parts:
-        if part.kind == "none":
-            continue
-        if part.kind in ("causal", "band"):
-            lo = max(lo, -far if part.lo is None else max(part.lo, -far))
-            hi = min(hi, far if part.hi is None else min(part.hi, far))
-        elif part.kind == "padding":
-            assert part.limit is not None
-            e = torch.as_tensor(part.limit, dtype=torch.int64).expand(B)
-            s = torch.zeros(B, dtype=torch.int64) if part.start is None else part.start
-            e, s = (t.to("cpu", torch.int64).contiguous() for t in (e, s))
-            start = s if start is None else torch.maximum(start, s)
-            end = e if end is None else torch.minimum(end, e)
+    if m.terms.band is not None:
+        b_lo, b_hi = m.terms.band
+        lo = -far if b_lo is None else max(b_lo, -far)
+        hi = far if b_hi is None else min(b_hi, far)
+    keys = m.terms.keys
+    if keys is None:
+        return lo, hi, None, None
+    start, end = (t.to("cpu").contiguous() for t in keys.per_batch(B))
     return lo, hi, start, end
 
 
@@ -112,7 +100,7 @@ class DecodeBackend(Backend):
                 f"it takes at most {MAX_ROWS} query rows per kv head (a decode step); this "
                 f"problem has {p.groups} query heads per kv head x Lq={p.Lq} = {rows}"
             )
-        if p.score.kind != "none":
+        if not p.score.is_none:
             return "it applies no score_mod or bias"
         if p.dropout_p > 0:
             return "it applies no dropout"
@@ -154,7 +142,7 @@ class DecodeBackend(Backend):
     def runner(self, p: Problem, route: Route) -> Runner | None:
         # per-batch key ranges (padding) are read from the mask's tensors once, here: a kept
         # runner is keyed on their versions (qkv._planning.signature)
-        return _bound(p) if p.mask.kind in ("none", "causal", "band", "padding") else None
+        return _bound(p) if one_run_per_row(p.mask) else None
 
 
 def forward(p: Problem, splits: int = 0) -> tuple[Tensor, Tensor]:

@@ -71,7 +71,7 @@ class TritonBackend(Backend):
             return f"head dims up to {MAX_HEAD_DIM} (got D={p.D}, Dv={p.Dv})"
         if p.dropout_p > 0:
             return "it has no dropout (blocksparse and sdpa do)"
-        if p.score.kind == "mod":
+        if p.score.is_user:
             return (
                 "a Python score_mod cannot run inside the kernel without compiling user code; "
                 "blocksparse evaluates it per tile (exact, no compile)"
@@ -121,17 +121,17 @@ class TritonBackend(Backend):
         )
 
     def keep(self, route: Route) -> Route:
-        call: Call | None = route.detail
-        if call is not None and call.planned is not None:  # (tiles planned per call)
+        call = route.detail
+        if isinstance(call, Call) and call.planned is not None:  # (tiles planned per call)
             return dataclasses.replace(route, block=None, detail=None)
         return route
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-        call: Call | None = route.detail
-        if call is None or (call.planned is not None and call.planned() is not p):
+        call = route.detail
+        if not isinstance(call, Call) or (call.planned is not None and call.planned() is not p):
             # kept without its tile lists (made from values a signature does not watch)
             call = self.route(p).detail
-            assert call is not None
+            assert isinstance(call, Call)
         call = dataclasses.replace(call, p=p)  # the plan's, bound to this call
         if p.B * p.Hq * p.Lq == 0 or p.Lk == 0:
             return no_keys_result(p)

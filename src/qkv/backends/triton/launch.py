@@ -14,12 +14,21 @@ from typing import Any
 
 import torch
 
+from ..._core.builtin_scores import Alibi, BuiltinScore, RelativeBias, Softcap
+from ..._core.kinds import ScoreKind
 from ..._core.problem import Problem
+from ..base import Recipe
 from .lists import MaskSpec, TileLists
 
 Tensor = torch.Tensor
 
-SCORE_CODES = {"none": 0, "bias": 1, "alibi": 2, "softcap": 3, "relative": 4}
+# The kernel's score formula (its SCORE constexpr) by the class of the score_mod; a bias
+# tensor is 1. A score class not listed here is a user's: the backend rejects it.
+SCORE_CODES: dict[type, int] = {type(None): 0, Alibi: 2, Softcap: 3, RelativeBias: 4}
+
+
+def score_code(s: ScoreKind) -> int:
+    return 1 if s.bias is not None else SCORE_CODES[type(s.score_mod)]
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ def gpu_tilings(d: int, dtype: torch.dtype = torch.bfloat16, heavy: bool = False
 
 def heavy(p: Problem, spec: MaskSpec) -> bool:
     """A score mod, or mask terms beyond a band and a prefix (more live registers a tile)."""
-    return p.score.kind != "none" or spec.pad is not None or spec.ids is not None or spec.bits
+    return not p.score.is_none or spec.pad is not None or spec.ids is not None or spec.bits
 
 
 def _pow2(n: int) -> int:
@@ -92,7 +101,7 @@ def _pow2(n: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class Call:
+class Call(Recipe):
     """Everything one call's kernels read besides q, k, v and the score tensors. A plan keeps
     it without its problem (``p`` ``None``); ``run`` binds each call's."""
 
@@ -128,18 +137,17 @@ def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any],
     sb = [0, 0, 0, 0]
     st = [0, 0]
     cap, R = 1.0, 0
-    kind = p.score.kind
-    mod: Any = p.score.score_mod
-    if kind == "bias":
+    mod = p.score.score_mod
+    if p.score.bias is not None:
         assert param is not None
         bias = param
         sb = _broadcast_strides(bias)
-    elif kind == "alibi":
+    elif isinstance(mod, Alibi):
         assert param is not None
         slopes = param
-    elif kind == "softcap":
+    elif isinstance(mod, Softcap):
         cap = float(mod.cap)
-    elif kind == "relative":
+    elif isinstance(mod, RelativeBias):
         assert param is not None
         table = param
         st = [table.stride(0), table.stride(1)]
@@ -156,14 +164,11 @@ def score_param(p: Problem) -> Tensor | None:
     """The tensor the score reads: an additive bias ``[B|1, Hq|1, Lq|1, Lk|1]`` as given, or
     a built-in score mod's (ALiBi slopes ``[Hq]``, the relative table ``[2R+1, Hq]``) on the
     problem's device as float32 and contiguous; autograd links kept. ``None`` otherwise."""
-    mod: Any = p.score.score_mod
-    if p.score.kind == "bias":
+    if p.score.bias is not None:
         return p.score.bias
-    if p.score.kind == "alibi":
-        t = mod.slopes
-    elif p.score.kind == "relative":
-        t = mod.table
-    else:
+    mod = p.score.score_mod
+    t = mod.kernel_tensor() if isinstance(mod, BuiltinScore) else None
+    if t is None:
         return None
     return t.to(device=p.device, dtype=torch.float32).contiguous()
 
@@ -176,7 +181,7 @@ def constexprs(p: Problem, spec: MaskSpec, tiling: Tiling, *, interp: bool) -> d
         "BLOCK_DV": _pow2(p.Dv),
         "BM": tiling.bq,
         "BN": tiling.bk,
-        "SCORE": SCORE_CODES[p.score.kind],
+        "SCORE": score_code(p.score),
         "MMA": _mma_dtype(p.dtype, interp),
         "num_warps": tiling.warps,
         "num_stages": tiling.stages,

@@ -55,7 +55,7 @@ def mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> Ma
     tensors keeps its formula under its value, as its plan (:func:`block_mask_at`): its
     tensors are copied to the device once, not in every layer's call (a pageable copy to a
     GPU waits for it)."""
-    if m.kind == "none":
+    if m.is_none:
         return MaskSpec()
     key = _value_key(m, B, Lq, Lk, str(device))
     if key is None:
@@ -82,40 +82,29 @@ def _value_key(m: MaskKind, *where: object) -> tuple[object, ...] | None:
 
 
 def _mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> MaskSpec:
-    parts = m.parts if m.kind == "and" else (m,)
+    t = m.terms
+    if len(t.rest) > 0:  # an or, a tensor, a mask_mod, or a second term of one kind: bits
+        return MaskSpec(bits=True, text=f"{m.name}, its partial tiles as precomputed bits")
     band: tuple[int, int] | None = None
-    prefix: int | None = None
     pad: tuple[Tensor, Tensor] | None = None
     ids: Tensor | None = None
     words: list[str] = []
-    for part in parts:
-        if part.is_band and band is None:
-            lo = -(Lq + 1) if part.lo is None else max(part.lo, -(Lq + 1))
-            hi = Lk + 1 if part.hi is None else min(part.hi, Lk + 1)
-            band = (lo, hi)
-            words.append(f"band {part.lo} <= kv - q <= {part.hi}")
-        elif part.kind == "prefix" and prefix is None:
-            assert isinstance(part.limit, int)
-            prefix = part.limit
-            words.append(f"kv < {prefix} or causal")
-        elif part.kind == "padding" and pad is None:
-            limit = part.limit
-            assert limit is not None
-            lim = (
-                torch.full((B,), int(limit), dtype=torch.int32)
-                if isinstance(limit, int)
-                else limit.to(torch.int32)
-            )
-            start = torch.zeros(B, dtype=torch.int32) if part.start is None else part.start
-            pad = (start.to(device=device, dtype=torch.int32), lim.to(device=device))
-            words.append("start[b] <= kv < limit[b]")
-        elif part.kind == "document" and ids is None:
-            assert part.ids is not None
-            ids = part.ids.to(device=device, dtype=torch.int32)
-            words.append("ids[q] == ids[kv]")
-        else:  # an or, a tensor, a mask_mod, or a second term of one kind: bits
-            return MaskSpec(bits=True, text=f"{m.name}, its partial tiles as precomputed bits")
-    return MaskSpec(band=band, prefix=prefix, pad=pad, ids=ids, text=" and ".join(words))
+    if t.band is not None:
+        b_lo, b_hi = t.band
+        lo = -(Lq + 1) if b_lo is None else max(b_lo, -(Lq + 1))
+        hi = Lk + 1 if b_hi is None else min(b_hi, Lk + 1)
+        band = (lo, hi)
+        words.append(f"band {b_lo} <= kv - q <= {b_hi}")
+    if t.prefix is not None:
+        words.append(f"kv < {t.prefix} or causal")
+    if t.keys is not None:
+        start, lim = t.keys.per_batch(B, torch.int32)
+        pad = (start.to(device), lim.to(device))
+        words.append("start[b] <= kv < limit[b]")
+    if t.ids is not None:
+        ids = t.ids.to(device=device, dtype=torch.int32)
+        words.append("ids[q] == ids[kv]")
+    return MaskSpec(band=band, prefix=t.prefix, pad=pad, ids=ids, text=" and ".join(words))
 
 
 @dataclass(frozen=True)
