@@ -35,6 +35,13 @@ Kernel = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
 Runner = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None] | None]
 
 
+class Recipe:
+    """A backend's own plan of one call: what its ``run`` executes (the block-sparse
+    engine's :class:`Job`, the Triton kernels' :class:`Call`, the plain formula's row chunks).
+    Each backend subclasses it with a frozen dataclass and reads back only its own; it holds
+    none of the call's tensors, so a plan can be kept."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Route:
     """How one backend computes one problem."""
@@ -44,7 +51,7 @@ class Route:
     extra_memory: int  # estimated peak bytes beyond inputs and output
     block: Any = None  # the qkv.BlockMask whose tiles it computes, when it works by tiles
     notes: tuple[str, ...] = ()
-    detail: Any = None  # backend-private: what ``run`` executes (e.g. the block-sparse job)
+    detail: Recipe | None = None  # the backend's own plan (see :class:`Recipe`)
 
 
 class Unavailable(Exception):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .. import reference
 from .._core.problem import Problem
-from .base import DENSE_LIMIT, Backend, Route, score_bytes, small_grid
+from .base import DENSE_LIMIT, Backend, Recipe, Route, score_bytes, small_grid
 
 Tensor = torch.Tensor
 
@@ -42,8 +43,8 @@ class ReferenceBackend(Backend):
                 "under torch.compile the plain formula traces into one graph; blocksparse "
                 "would plan tiles for a problem this small"
             )
-        if p.score.kind == "mod" or p.dropout_p > 0:
-            what = "a user's score_mod (code)" if p.score.kind == "mod" else "dropout"
+        if p.score.is_user or p.dropout_p > 0:
+            what = "a user's score_mod (code)" if p.score.is_user else "dropout"
             return (
                 f"under torch.compile the plain formula traces {what} into the graph; the "
                 "block-sparse engine's operator cannot take it (all Lq*Lk work; in chunks of "
@@ -55,7 +56,7 @@ class ReferenceBackend(Backend):
         # scores, exp(scores) and weights live at once (plus a dropout copy when asked), and
         # autograd keeps about as much again for the backward; a mask_mod is evaluated densely.
         copies = 3 + (1 if p.dropout_p > 0 else 0)
-        dense = p.mask.kind not in ("none", "tensor")
+        dense = not p.mask.is_none and p.mask.tensor is None
         full = score_bytes(p, copies) + (p.B * p.Hq * p.Lq * p.Lk if dense else 0)
         rows = _chunk_rows(p, full)
         if rows is None:
@@ -76,14 +77,22 @@ class ReferenceBackend(Backend):
                 "under torch.compile its Lq x Lk scores would pass the dense limit: the rows "
                 "are cut into chunks that fit it, each traced into the graph",
             ),
-            detail=rows,
+            detail=Chunked(rows),
         )
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
-        if isinstance(route.detail, int):
-            return _in_chunks(p, route.detail)
+        if isinstance(route.detail, Chunked):
+            return _in_chunks(p, route.detail.rows)
         out, lse, _ = reference.forward(p, dropout_p=p.dropout_p)
         return out, (lse if p.return_lse else None)
+
+
+@dataclass(frozen=True)
+class Chunked(Recipe):
+    """The plain formula in chunks of ``rows`` query rows (under torch.compile, where all the
+    scores at once would pass the dense limit)."""
+
+    rows: int
 
 
 def _chunk_rows(p: Problem, full: int) -> int | None:
@@ -91,7 +100,7 @@ def _chunk_rows(p: Problem, full: int) -> int | None:
     traces what the block-sparse engine's operator cannot take (a user's score_mod, dropout),
     when all its scores at once (``full`` bytes) would pass the dense limit and the rows fit
     it in at most :data:`MAX_CHUNKS` chunks; else ``None`` (the whole matrix at once)."""
-    if not torch.compiler.is_compiling() or (p.score.kind != "mod" and p.dropout_p == 0):
+    if not torch.compiler.is_compiling() or (not p.score.is_user and p.dropout_p == 0):
         return None
     limit = DENSE_LIMIT["bytes"]
     if full <= limit or p.Lq == 0:
