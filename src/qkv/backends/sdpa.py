@@ -48,7 +48,7 @@ class SdpaBackend(Backend):
             return "torch's SDPA needs at least one key (kv_len is 0)"
         if p.score.bias is not None and p.dtype in (torch.float16, torch.bfloat16):
             return f"torch's SDPA would add the bias in {p.dtype}; the contract adds it in float32"
-        if not _SAFE_MASKED_ROWS and p.mask.kind not in ("none", "causal"):
+        if not _SAFE_MASKED_ROWS and not (p.mask.is_none or p.mask.is_causal):
             return "torch < 2.5 SDPA gives NaN for fully masked rows"
         return None
 
@@ -58,7 +58,7 @@ class SdpaBackend(Backend):
         return None
 
     def auto_skip(self, p: Problem) -> str | None:
-        masked = p.mask.kind not in ("none", "causal")
+        masked = not (p.mask.is_none or p.mask.is_causal)
         if p.mask.block is not None and not small_grid(p):
             return (
                 "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
@@ -80,11 +80,11 @@ class SdpaBackend(Backend):
             memory = dense + p.B * p.Hq * p.Lq * 4
         if _explicit_causal(p):
             forward = f"{kernel}, causal as a dense mask (is_causal gives NaN for scale <= 0)"
-        elif p.mask.kind == "causal":
+        elif p.mask.is_causal:
             forward = f"{kernel}, is_causal"
         elif _folds_groups(p):
             forward = f"{kernel}, each kv head's {p.groups} query heads as {p.groups} query rows"
-        elif p.mask.kind == "none":
+        elif p.mask.is_none:
             forward = kernel
         elif p.mask.tensor is not None:
             forward = f"{kernel}, the bool mask as a dense float mask"
@@ -105,9 +105,9 @@ class SdpaBackend(Backend):
 
     def run(self, p: Problem, route: Route) -> tuple[Tensor, Tensor | None]:
         q, k, v = p.q, p.k, p.v
-        is_causal = p.mask.kind == "causal" and not _explicit_causal(p)
+        is_causal = p.mask.is_causal and not _explicit_causal(p)
         attn_mask: Tensor | None = None
-        if p.mask.kind not in ("none", "causal") or _explicit_causal(p):
+        if not (p.mask.is_none or p.mask.is_causal) or _explicit_causal(p):
             attn_mask = dense_mask(p)
         if p.score.bias is not None:
             bias = p.score.bias.to(q.dtype)
@@ -136,18 +136,18 @@ class SdpaBackend(Backend):
         return out, None
 
     def runner(self, p: Problem, route: Route) -> Runner | None:
-        if p.score.kind != "none" or p.dropout_p > 0:
+        if not p.score.is_none or p.dropout_p > 0:
             return None
         if _folds_groups(p) and not p.requires_grad():
             return _folded(p)
         if p.groups > 1 and not _NATIVE_GQA:
             return None
         gqa, scale = p.groups > 1, p.scale
-        causal = p.mask.kind == "causal" and not _explicit_causal(p)
+        causal = p.mask.is_causal and not _explicit_causal(p)
         # Any other mask as the dense tensor run() would build, once: the caller keys a kept
         # runner on the mask object and its tensors' versions (qkv._planning.signature), so it
         # stays valid.
-        attn = None if p.mask.kind == "none" or causal else dense_mask(p)
+        attn = None if p.mask.is_none or causal else _additive(dense_mask(p), p.q.dtype)
         # (a call whose gradients SDPA's backward would get imprecisely, with huge logits,
         # is not this runner's: the planner keeps plans per answer of that check)
 
@@ -158,6 +158,23 @@ class SdpaBackend(Backend):
             return out, None
 
         return run
+
+
+# Masks up to this many elements are kept by a runner as the additive float mask SDPA would
+# make of a bool one at every call (4 MiB in float32): SDPA then skips that step, 4-10% of a
+# small masked call (B=4 H=4 L=48 D=32, benchmarks/RESULTS.md), with identical results and
+# gradients (fully masked rows included). Larger masks stay bool: a kept plan holds them.
+ADDITIVE_LIMIT = 1 << 20
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A bool mask (True = attend) as SDPA's additive float mask (0 or -inf) of ``dtype``,
+    when it is small enough to keep (:data:`ADDITIVE_LIMIT`); else as it is."""
+    if mask is None or mask.dtype != torch.bool or mask.numel() > ADDITIVE_LIMIT:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
 
 
 def _sdpa(
@@ -199,17 +216,13 @@ def _folded(p: Problem) -> Kernel:
 def _explicit_causal(p: Problem) -> bool:
     """Causal with ``scale <= 0``: torch's ``is_causal`` kernels give NaN there (torch 2.13,
     CPU flash and math alike), an explicit mask does not."""
-    return p.mask.kind == "causal" and p.scale <= 0
+    return p.mask.is_causal and p.scale <= 0
 
 
 def _folds_groups(p: Problem) -> bool:
     """Decoding with GQA: one query row, no mask, no bias, no dropout."""
     return (
-        p.groups > 1
-        and p.Lq == 1
-        and p.mask.kind == "none"
-        and p.score.bias is None
-        and p.dropout_p == 0
+        p.groups > 1 and p.Lq == 1 and p.mask.is_none and p.score.bias is None and p.dropout_p == 0
     )
 
 
@@ -225,7 +238,7 @@ def _kernel(p: Problem) -> str:
 
 
 def _dense_mask_bytes(p: Problem) -> int:
-    if p.mask.kind == "none" or (p.mask.kind == "causal" and not _explicit_causal(p)):
+    if p.mask.is_none or (p.mask.is_causal and not _explicit_causal(p)):
         return 0
     n = p.B * p.Hq * p.Lq * p.Lk
     # SDPA turns a bool mask into an additive float mask of q's dtype; a mask_mod is first
