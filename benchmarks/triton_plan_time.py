@@ -20,7 +20,7 @@ import torch
 from machine import describe
 
 import qkv
-from qkv._core.problem import validate
+from qkv._door import validate
 from qkv.backends.triton import TritonBackend
 
 

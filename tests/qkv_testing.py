@@ -20,7 +20,7 @@ from catalogue import lay_out
 # private on purpose: the plain baseline runs on qkv's own normalised problem (unbatched inputs,
 # GQA groups), and the oracle's lse comes from qkv.reference.forward
 from qkv._core.dense import apply_score_mod, dense_mask
-from qkv._core.problem import validate
+from qkv._door import validate
 
 Tensor = torch.Tensor
 

@@ -29,7 +29,7 @@ TILES = SHAPES["tiles"]
 
 def _job(q, k, v, mask) -> Any:
     """The engine's private plan for one call (the unit these schedule tests examine)."""
-    return job_mod.make_job(qkv._core.problem.validate(q, k, v, mask=mask))
+    return job_mod.make_job(qkv._door.validate(q, k, v, mask=mask))
 
 
 def _kernel(q, k, v, mask) -> str:

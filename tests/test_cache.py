@@ -255,7 +255,7 @@ def test_documented_alignment_grid_and_unmasked_decoding():
     """The grid in the docs: 3 cached tokens, a chunk of 2, qkv.causal at absolute positions;
     and a single decoded token under qkv.causal needs no mask at all."""
     # private: the cache's position shift is the unit tested
-    from qkv._core.positions import mask_at
+    from qkv._positions import mask_at
 
     m = mask_at(qkv.causal, 3, 0, 2, 5)
     assert callable(m)

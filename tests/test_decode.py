@@ -41,7 +41,7 @@ def _forced(splits: int):
 
     def run(q, k, v, *, mask=None, score_mod=None, scale=None):
         assert score_mod is None
-        p = qkv._core.problem.validate(q, k, v, mask=mask, scale=scale, return_lse=True)
+        p = qkv._door.validate(q, k, v, mask=mask, scale=scale, return_lse=True)
         assert qkv.plan(q, k, v, mask=mask, scale=scale).backend == "decode"
         out, lse = decode_mod.forward(p, splits=splits)
         return p.restore(out), p.restore(lse)

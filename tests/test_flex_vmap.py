@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qkv
-from qkv._core.problem import validate
+from qkv._door import validate
 from qkv._flex.compat import ModCall
 from qkv.backends.blocksparse.autograd import captured as _captured
 from qkv_testing import assert_matches_oracle, compare_to_oracle

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import qkv
-from qkv._core.evaluate import grid
 from qkv._core.builtin_mods import Document, KvBelow, Prefix
 from qkv._core.combinations import And, Or
+from qkv._core.evaluate import grid
 from qkv._core.kinds import MaskKind, band, classify_mask, classify_score  # the unit under test
-from qkv._core.positions import mask_at  # the KV-cache shift, tested on purpose
+from qkv._positions import mask_at  # the KV-cache shift, tested on purpose
 
 L = 40
 

@@ -166,7 +166,7 @@ def test_the_graph_is_read_from_the_source() -> None:
     assert len(g) > 40
     assert {"qkv.functional", "qkv.planner", "qkv.inspect", "qkv.modules"} <= g["qkv"]
     assert "qkv._recording" in g["qkv.functional"]  # from . import _recording, planner
-    assert "qkv._core.kinds" in g["qkv._core.positions"]  # from .kinds import MaskKind, band
+    assert "qkv._core.kinds" in g["qkv._core.tiles"]  # from .kinds import MaskKind
     assert "qkv.inspect._weights" in g["qkv.inspect._record"]  # from ._weights import ...
     assert "qkv.modules" in g["qkv.models.bert"]  # from ..modules import ...
     # A made-up cycle is found, and a chain is not one.
@@ -314,3 +314,18 @@ def test_public_signatures_name_what_a_mask_and_a_score_may_be() -> None:
             if name in params and params[name].annotation != want:
                 wrong.append(f"{fn.__qualname__}({name}: {params[name].annotation})")
     assert not wrong, wrong
+
+
+def test_core_is_the_bottom_layer() -> None:
+    """``qkv._core`` (the masks' and scores' classes, their terms and specs, classification,
+    the Problem) imports nothing of qkv above it: the door (``qkv._door``), FlexAttention's
+    layer (``qkv._flex``) and ``qkv.blockmask`` import it, never the other way round."""
+    g = graph()
+    above = {
+        (mod, dep)
+        for mod, deps in g.items()
+        if mod.startswith("qkv._core")
+        for dep in deps
+        if dep.startswith("qkv") and not dep.startswith("qkv._core")
+    }
+    assert above == set(), f"_core imports from layers above it: {sorted(above)}"

@@ -241,7 +241,7 @@ def test_the_reference_keeps_nan_apart_from_fully_masked_rows():
     q = _with_nan(q, 2)
     mask = torch.ones(6, 6, dtype=torch.bool)
     mask[4] = False  # row 4 sees nothing: 0 and -inf, as the contract says
-    p = qkv._core.problem.validate(q, k, v, mask=mask)
+    p = qkv._door.validate(q, k, v, mask=mask)
     out, lse, _ = qkv.reference.forward(p, dropout_p=0.0)
     assert torch.isnan(out[:, 1, 2]).all() and torch.isnan(lse[:, 1, 2]).all()
     assert (out[:, :, 4] == 0).all() and torch.isneginf(lse[:, :, 4]).all()

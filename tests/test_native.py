@@ -39,7 +39,7 @@ def _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=0):
 
 
 def _job(q, k, v, mask, **kw):
-    return plan_mod.make_job(qkv._core.problem.validate(q, k, v, mask=mask, **kw))
+    return plan_mod.make_job(qkv._door.validate(q, k, v, mask=mask, **kw))
 
 
 @needs_compiler
@@ -136,7 +136,7 @@ def test_qkv_native_0_turns_it_off(monkeypatch):
     assert _job(q, k, v, mask).native_band is None
     text = str(qkv.plan(q, k, v, mask=mask, backend="blocksparse"))
     assert "compiled band kernel" not in text
-    assert "QKV_NATIVE=0" in plan_mod.native_band(qkv._core.problem.validate(q, k, v, mask=mask))
+    assert "QKV_NATIVE=0" in plan_mod.native_band(qkv._door.validate(q, k, v, mask=mask))
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog):
@@ -156,7 +156,7 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, caplog):
     torch.testing.assert_close(out, qkv.reference.attention(q, k, v, mask=mask)[0])
     logged = [r for r in caplog.records if "compiled kernel failed" in r.getMessage()]
     assert len(logged) == 1 and "c++: command not found" in logged[0].getMessage()
-    why = plan_mod.native_band(qkv._core.problem.validate(q, k, v, mask=mask))
+    why = plan_mod.native_band(qkv._door.validate(q, k, v, mask=mask))
     assert why is not None and "c++: command not found" in why
     assert _job(q, k, v, mask).fwd.groups  # torch's batched band tiles instead
 

@@ -243,7 +243,7 @@ def test_a_calls_signature_equals_its_problems(case):
     """The signature made from a call's arguments (the repeat-call path, before any check)
     is the one the planner keeps the validated problem's plan under."""
     from qkv import planner
-    from qkv._core.problem import validate
+    from qkv._door import validate
     from qkv._planning import signature
 
     q, k, v = make_qkv(SMALL, gen=14)

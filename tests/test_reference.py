@@ -229,7 +229,7 @@ def test_rows_of_the_formula_are_its_rows(mask):
     dense limit) gives the rows of the whole: masks, a broadcast bias and a mod are taken at
     those rows, GQA included, a fully masked row too. Equal to float32 rounding (a matmul of
     fewer rows may block its sums differently); the masked weights are exactly 0 in both."""
-    from qkv._core.problem import validate
+    from qkv._door import validate
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 13, 7, generator=gen)

@@ -113,7 +113,7 @@ class BlockMask:
             self._rows = _schedule(self.states, self.shape[2], self.block_size[0])
         return self._rows
 
-    # -- validation (qkv._core.problem calls it for a block mask passed as mask=) ---------------
+    # -- validation (qkv._door calls it for a block mask passed as mask=) ---------------
 
     def check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
         mB, mH, mLq, mLk = self.shape

@@ -19,8 +19,8 @@ import torch
 
 from ._cache_state import StepGuard
 from ._core.kinds import band
-from ._core.positions import RingPositions, band_covers, mask_at, score_at
-from ._core.problem import mask_kind
+from ._door import mask_kind
+from ._positions import RingPositions, band_covers, mask_at, score_at
 from .masks import and_masks
 from .typing import MaskLike, ScoreLike
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _recording, planner
-from ._core.problem import validate
+from ._door import validate
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

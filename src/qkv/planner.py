@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ._core.problem import Problem, validate
+from ._core.problem import Problem
+from ._door import validate
 from ._planning import kept, signature
 from ._planning.about import About, describe
 from ._planning.signature import of_call

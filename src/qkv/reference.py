@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from ._core.dense import apply_score_mod, dense_mask
-from ._core.problem import Problem, validate
+from ._core.problem import Problem
+from ._door import validate
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

@@ -1,12 +1,12 @@
-"""The door of every attention call, and the vocabulary behind it.
+"""The vocabulary every attention call is read in: the bottom layer, importing nothing of qkv
+above it (the door that fills it is :mod:`qkv._door`).
 
 - ``checks.py``    argument checks, each error naming the offending value and the fix;
-- ``problem.py``   ``validate``: the arguments checked and classified into one ``Problem``;
+- ``problem.py``   ``Problem``: one call's tensors as 4-D views, its mask and score classified;
 - ``evaluate.py``  masks and scores evaluated over any region of the score grid (the one
                    place that calls a mask_mod or score_mod, or slices a mask or bias);
 - ``dense.py``     a problem's mask and score as dense tensors (the reference, SDPA);
 - ``tiles.py``     tile classification (empty / full / partial) of a mask;
-- ``positions.py`` masks and scores at shifted positions (a KV cache's later queries);
 - ``builtin_mods.py`` the built-in masks' classes (``qkv.masks`` makes them), each
                    carrying its formula, value, tile rule, terms and spec;
 - ``combinations.py`` ``and_masks`` / ``or_masks`` as classes of their own;

@@ -2,7 +2,7 @@
 
 Every check runs before any attention arithmetic, and every error names the values it got and
 what would work. Shapes and values raise ``ValueError``; types raise
-``TypeError``. :mod:`qkv._core.problem` puts them together at the door of :func:`qkv.attention`.
+``TypeError``. :mod:`qkv._door` puts them together at the door of :func:`qkv.attention`.
 """
 
 from __future__ import annotations

@@ -380,7 +380,7 @@ def _adopt(obj: Any, wrap: Callable[[Any], Any]) -> Any:
         return obj
     if not _is_qkv(obj):
         return wrap(obj)
-    # the parts of qkv._core.combinations.Combined, qkv._core.positions.MaskAt and ScoreAt
+    # the parts of qkv._core.combinations.Combined, qkv._positions.MaskAt and ScoreAt
     for attr in ("mods", "mod"):
         inner = getattr(obj, "__dict__", {}).get(attr)
         if inner is None:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .._core.kinds import describe
-from .._core.problem import Problem, validate
+from .._core.problem import Problem
+from .._door import validate
 from ..backends.base import unit_last_stride
 from ..backends.blocksparse.autograd import captured
 from ..typing import MaskLike, ScoreLike

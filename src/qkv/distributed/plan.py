@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .._core.kinds import MaskKind
-from .._core.problem import mask_kind
 from .._core.tiles import EMPTY, FULL, PARTIAL, Grid, classify
+from .._door import mask_kind
 from .layout import Layout
 from .positions import mask_for
 

@@ -3,7 +3,7 @@
 Each partial call of :func:`qkv.attention` sees local indices ``i`` (a query of the chunk
 starting at global position ``qa``) and ``j`` (a key of the chunk starting at ``ka``); a
 user's mask_mod and score_mod are written for global positions, so they are evaluated at
-``(qa + i, ka + j)``: the same shift :mod:`qkv._core.positions` makes for a KV cache. Bands
+``(qa + i, ka + j)``: the same shift :mod:`qkv._positions` makes for a KV cache. Bands
 (``qkv.causal``, ``qkv.sliding_window``) stay analytic bands, so each pair still reaches the
 fastest kernel for its structure (and a band covering the whole pair is no mask at all);
 bool tensors and bias tensors spanning the full ``[L, L]`` are sliced.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._core.kinds import MaskKind, ScoreKind
-from .._core.positions import MaskAt, ScoreAt, shift_band
+from .._positions import MaskAt, ScoreAt, shift_band
 from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._core.kinds import MaskKind
-from .._core.problem import mask_kind
+from .._door import mask_kind
 from ..blockmask import block_mask
 from ._translate import Frame, _closure, _which, translate
 

@@ -40,8 +40,8 @@ import torch
 
 from .. import masks
 from .._core.kinds import band, classify_mask
-from .._core.positions import MaskAt, shift_band
 from .._core.tracing import is_symbolic
+from .._positions import MaskAt, shift_band
 
 Tensor = torch.Tensor
 

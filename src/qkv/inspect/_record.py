@@ -24,7 +24,8 @@ from torch import nn
 
 from .. import _recording
 from .._core.kinds import classify_score
-from .._core.problem import Problem, mask_kind
+from .._core.problem import Problem
+from .._door import mask_kind
 from ._stats import Stats, stats_of_problem
 from ._weights import Index, check_index, row_weights
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from .._core.evaluate import mask_at, score_at
-from .._core.problem import Problem, validate
+from .._core.problem import Problem
+from .._door import validate
 from ..typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor

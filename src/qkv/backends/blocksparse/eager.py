@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..._core.problem import validate
+from ..._door import validate
 
 Tensor = torch.Tensor
 

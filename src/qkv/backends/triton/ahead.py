@@ -114,7 +114,7 @@ def variants() -> list[tuple[str, Problem, bool | int]]:
     """``(label, problem, param_grad)``: every dtype, the three head-dim tiers, each in-kernel
     mask term, bits, every score kind (with their tensors' gradients)."""
     from ... import masks, scores
-    from ..._core.problem import validate
+    from ..._door import validate
 
     def problem(dtype: torch.dtype, d: int, mask: object, score: object = None) -> Problem:
         q = torch.empty(2, 8, 1000, d, dtype=dtype, device="meta")

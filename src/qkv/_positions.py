@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from ..typing import MaskLike, ScoreLike
-from .checks import callable_name
-from .kinds import MaskKind, band, classify_score
-from .problem import mask_kind
+from ._core.checks import callable_name
+from ._core.kinds import MaskKind, band, classify_score
+from ._door import mask_kind
+from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
 
