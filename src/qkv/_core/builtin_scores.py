@@ -2,12 +2,14 @@
 ``qkv.softcap(30.0)``, ``qkv.relative_bias(table, 128)``). Like the masks'
 (:mod:`qkv._core.builtin_mods`), each carries its own rules: its formula
 (``score_mod(score, b, h, q_idx, kv_idx)``), its value (equal and hashed by its parameters),
-its spec for a custom operator (:mod:`qkv._core.spec`), the tensor a kernel reads
-(:meth:`BuiltinScore.kernel_tensor`), what ``qkv.distributed`` compares across ranks, and its check
-against a problem's sizes.
+its spec for a custom operator (:mod:`qkv._core.spec`), its terms (:class:`ScoreTerms`: the
+formula a fused kernel implements, with its tensor), what ``qkv.distributed`` compares across
+ranks, and its check against a problem's sizes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +17,27 @@ from .spec import number, read, registered, slot
 from .value import Value
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreTerms:
+    """A built-in score as the formula a fused kernel implements (one field set):
+
+    - ``slopes [H]``: ``score + slopes[h] * (kv_idx - q_idx)`` (ALiBi);
+    - ``cap``: ``cap * tanh(score / cap)`` (softcap);
+    - ``table [2R+1, H]`` with ``max_distance`` R: ``score + table[clamp(q_idx - kv_idx, -R,
+      R) + R, h]`` (relative bias).
+    """
+
+    slopes: Tensor | None = None
+    cap: float | None = None
+    table: Tensor | None = None
+    max_distance: int = 0
+
+    @property
+    def tensor(self) -> Tensor | None:
+        """The one tensor the formula reads (``None`` for softcap)."""
+        return self.slopes if self.slopes is not None else self.table
 
 
 class BuiltinScore(Value):
@@ -35,9 +58,9 @@ class BuiltinScore(Value):
         """Its spec (:mod:`qkv._core.spec`), its tensors appended to ``tensors``."""
         raise NotImplementedError
 
-    def kernel_tensor(self) -> Tensor | None:
-        """The one tensor a kernel reads for it (ALiBi's slopes ``[H]``, the relative table
-        ``[2R+1, H]``); ``None`` when it is pure arithmetic (softcap)."""
+    def terms(self) -> ScoreTerms | None:
+        """Its formula as fused kernels know it (:class:`ScoreTerms`); ``None`` when no
+        kernel implements it (it is then evaluated as code)."""
         return None
 
     def _heads(self, what: str, n: int, H: int) -> None:
@@ -59,8 +82,8 @@ class Alibi(BuiltinScore):
     def from_spec(cls, args: str, tensors: list[Tensor]) -> Alibi:
         return Alibi(read(args, tensors))
 
-    def kernel_tensor(self) -> Tensor:
-        return self.slopes
+    def terms(self) -> ScoreTerms:
+        return ScoreTerms(slopes=self.slopes)
 
     def params(self) -> tuple[object, ...]:
         return (self.slopes,)
@@ -95,6 +118,9 @@ class Softcap(BuiltinScore):
     def from_spec(cls, args: str, tensors: list[Tensor]) -> Softcap:
         return Softcap(float(read(args, tensors)))
 
+    def terms(self) -> ScoreTerms:
+        return ScoreTerms(cap=self.cap)
+
     def params(self) -> tuple[object, ...]:
         return (self.cap,)
 
@@ -120,8 +146,8 @@ class RelativeBias(BuiltinScore):
         t, r = args.split(",")
         return RelativeBias(read(t, tensors), read(r, tensors))
 
-    def kernel_tensor(self) -> Tensor:
-        return self.table
+    def terms(self) -> ScoreTerms:
+        return ScoreTerms(table=self.table, max_distance=self.max_distance)
 
     def params(self) -> tuple[object, ...]:
         return (self.table, self.max_distance)

@@ -31,7 +31,7 @@ from .builtin_mods import CAUSAL, AllTrue, Band, BuiltinMask, Prefix, TensorMask
 from .builtin_scores import BuiltinScore
 from .checks import callable_name
 from .combinations import And, Combined, Or
-from .terms import NONE, Terms, meet_all
+from .terms import NONE, Terms, intersect_bands, meet_all
 from .usermod import UserMod
 
 Tensor = torch.Tensor
@@ -234,9 +234,10 @@ def _simplify_and(parts: tuple[MaskKind, ...], source: object) -> MaskKind:
     flat = [p for p in _flatten(parts, And) if not p.is_none]
     bands = [p for p in flat if p.is_band]
     if len(bands) > 1:  # bands intersect: the tightest edge on each side
-        lows = [b.lo for b in bands if b.lo is not None]
-        highs = [b.hi for b in bands if b.hi is not None]
-        merged = band(max(lows) if lows else None, min(highs) if highs else None)
+        edges = bands[0].terms.band
+        for b in bands[1:]:
+            edges = intersect_bands(edges, b.terms.band)  # type: ignore[arg-type]
+        merged = band(*edges)  # type: ignore[misc]
         flat = [merged, *(p for p in flat if not p.is_band)]
     return _combined(And, flat, parts, source)
 

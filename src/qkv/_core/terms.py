@@ -89,7 +89,7 @@ class Terms:
         second mask as rest. Bands intersect: the tightest edge on each side."""
         band = self.band
         if other.band is not None:
-            band = other.band if band is None else _intersect(band, other.band)
+            band = other.band if band is None else intersect_bands(band, other.band)
         out = replace(self, band=band, rest=self.rest + other.rest)
         for name in ("prefix", "keys", "ids"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -114,9 +114,10 @@ def meet_all(parts: list[tuple[Terms, object]]) -> Terms:
     return out
 
 
-def _intersect(
+def intersect_bands(
     a: tuple[int | None, int | None], b: tuple[int | None, int | None]
 ) -> tuple[int | None, int | None]:
+    """The band both allow: the tightest edge on each side (``None`` = unbounded)."""
     lows = [x for x in (a[0], b[0]) if x is not None]
     highs = [x for x in (a[1], b[1]) if x is not None]
     return (max(lows) if lows else None, min(highs) if highs else None)

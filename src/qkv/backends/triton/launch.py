@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..._core.builtin_scores import Alibi, BuiltinScore, RelativeBias, Softcap
+from ..._core.builtin_scores import BuiltinScore, ScoreTerms
 from ..._core.kinds import ScoreKind
 from ..._core.problem import Problem
 from ..base import Recipe
@@ -22,13 +22,22 @@ from .lists import MaskSpec, TileLists
 
 Tensor = torch.Tensor
 
-# The kernel's score formula (its SCORE constexpr) by the class of the score_mod; a bias
-# tensor is 1. A score class not listed here is a user's: the backend rejects it.
-SCORE_CODES: dict[type, int] = {type(None): 0, Alibi: 2, Softcap: 3, RelativeBias: 4}
+
+def score_terms(s: ScoreKind) -> ScoreTerms | None:
+    """The score's formula as the kernel knows it (:class:`ScoreTerms`), ``None`` for none or
+    a bias (a user's score_mod is rejected before: it has no terms)."""
+    mod = s.score_mod
+    return mod.terms() if isinstance(mod, BuiltinScore) else None
 
 
 def score_code(s: ScoreKind) -> int:
-    return 1 if s.bias is not None else SCORE_CODES[type(s.score_mod)]
+    """The kernel's SCORE constexpr: 0 none, 1 bias, 2 slopes (ALiBi), 3 cap, 4 table."""
+    if s.bias is not None:
+        return 1
+    t = score_terms(s)
+    if t is None:
+        return 0
+    return 2 if t.slopes is not None else 3 if t.cap is not None else 4
 
 
 @dataclass(frozen=True)
@@ -137,21 +146,23 @@ def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any],
     sb = [0, 0, 0, 0]
     st = [0, 0]
     cap, R = 1.0, 0
-    mod = p.score.score_mod
+    t = score_terms(p.score)
     if p.score.bias is not None:
         assert param is not None
         bias = param
         sb = _broadcast_strides(bias)
-    elif isinstance(mod, Alibi):
+    elif t is None:
+        pass
+    elif t.slopes is not None:
         assert param is not None
         slopes = param
-    elif isinstance(mod, Softcap):
-        cap = float(mod.cap)
-    elif isinstance(mod, RelativeBias):
+    elif t.cap is not None:
+        cap = float(t.cap)
+    elif t.table is not None:
         assert param is not None
         table = param
         st = [table.stride(0), table.stride(1)]
-        R = int(mod.max_distance)
+        R = int(t.max_distance)
     return [bias, slopes, table], [*sb, *st], cap, R
 
 
@@ -166,8 +177,8 @@ def score_param(p: Problem) -> Tensor | None:
     problem's device as float32 and contiguous; autograd links kept. ``None`` otherwise."""
     if p.score.bias is not None:
         return p.score.bias
-    mod = p.score.score_mod
-    t = mod.kernel_tensor() if isinstance(mod, BuiltinScore) else None
+    terms = score_terms(p.score)
+    t = None if terms is None else terms.tensor
     if t is None:
         return None
     return t.to(device=p.device, dtype=torch.float32).contiguous()
