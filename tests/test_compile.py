@@ -206,6 +206,11 @@ def _big_cases() -> dict[str, dict]:
         "prefix_lm": {"mask": qkv.prefix_lm(50)},
         "bool": {"mask": torch.rand(BIG.Lq, L, generator=gen) > 0.4},
         "bias": {"score_mod": torch.randn(1, 4, BIG.Lq, L, generator=gen).requires_grad_()},
+        # (the engine's backward plans anew in the graph: a bias needing a gradient is not fused)
+        "prefix_bias": {
+            "mask": qkv.prefix_lm(50),
+            "score_mod": torch.randn(1, 4, BIG.Lq, L, generator=gen).requires_grad_(),
+        },
         "alibi": {"mask": qkv.causal, "score_mod": qkv.alibi(qkv.alibi_slopes(4).requires_grad_())},
         "softcap": {"mask": qkv.sliding_window(64), "score_mod": qkv.softcap(5.0)},
         "relative": {"score_mod": qkv.relative_bias(torch.randn(17, 4).requires_grad_(), 8)},
@@ -762,7 +767,7 @@ def test_the_operators_plan_a_mask_without_tensors_once_per_shape(monkeypatch, n
     operator, one for the backward's), and the results stay equal to eager's. A window on
     the band kernel plans nothing at all when the graph runs: the graph calls the kernel's
     own operators. (A trace's look at the route is not counted.)"""
-    from qkv.backends.blocksparse import compiled
+    from qkv.backends.blocksparse import compiled, operators
 
     planned = []
     real = compiled.make_job
@@ -772,8 +777,9 @@ def test_the_operators_plan_a_mask_without_tensors_once_per_shape(monkeypatch, n
             planned.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(compiled, "make_job", counted)
-    monkeypatch.setattr(compiled, "_JOBS", LRU(64))
+    for module in (compiled, operators):
+        monkeypatch.setattr(module, "make_job", counted)
+    monkeypatch.setattr(operators, "_JOBS", LRU(64))
     mask = {"prefix_lm": qkv.prefix_lm(40), "window": qkv.sliding_window(40)}[name]
     fn = torch.compile(qkv.attention, fullgraph=True, backend="aot_eager")
     for gen in (20, 21, 22):

@@ -8,11 +8,13 @@ The engine, one file a job:
 - ``schedule.py``  cuts a block mask into pieces and band groups within a memory budget;
 - ``job.py``       the frozen job: schedule, mask and score sources, piece-level helpers;
 - ``forward.py``   / ``backward.py``: the kernels per piece, group and segment;
-- ``autograd.py``  the ``torch.autograd.Function`` and score_mod gradients;
+- ``operators.py`` the registered operators (``qkv::blocksparse`` and its backward) every
+                   call runs through, eager or compiled, with the one autograd formula;
+- ``autograd.py``  how gradients reach a score_mod's tensors;
 - ``native.py``    builds and loads ``kernels/band.cpp``, qkv's compiled CPU band kernel.
 
-Three layers: :class:`BlocksparseBackend` (what the planner sees) →
-:class:`autograd.BlockSparseAttention` → the kernels. Empty tiles are never touched; full
+Three layers: :class:`BlocksparseBackend` (what the planner sees) → the operators
+(:mod:`.operators`) → the kernels. Empty tiles are never touched; full
 tiles run with no masking; partial tiles evaluate the mask for themselves only.
 """
 
@@ -25,11 +27,9 @@ import torch
 
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
-from ..base import SMALL_DENSE, Backend, Recipe, Route, Runner, no_keys_result, unit_last_stride
-from . import autograd, compiled, schedule
-from .autograd import BlockSparseAttention, captured, reaches_hidden
-from .forward import forward
-from .grads import huge_lse
+from ..base import SMALL_DENSE, Backend, Recipe, Route, Runner, no_keys_result
+from . import autograd, compiled, operators, schedule
+from .autograd import captured, reaches_hidden
 from .job import HiddenDependency, Job, Watch, fused_ok
 from .plan import block_mask_of, describe, make_job, native_band
 
@@ -142,35 +142,18 @@ class BlocksparseBackend(Backend):
         job = job.for_run(call=p) if job.tiles_for(p) else make_job(p)
         if p.B * p.Hq * p.Lq == 0:
             return no_keys_result(p)
-        q, k, v = p.q, p.k, p.v
-        if job.fused:  # torch's fused kernel reads the last dim as dense: copy where it is not
-            q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         bias = job.bias
         watch = job.score_mod is not None and torch.is_grad_enabled()
         seed = int(torch.randint(0, 1 << 62, (1,)).item()) if p.dropout_p > 0 else 0
         params = tuple(captured(job.score_mod)) if watch else ()
-        inputs = [q, k, v, *([bias] if bias is not None else []), *params]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-        if not (needs_grad or watch):
-            with torch.no_grad():
-                out, lse = forward(job.for_run(seed=seed), q, k, v)
-            return out, (lse.to(p.compute_dtype) if p.return_lse else None)
         check = Watch(functools.partial(reaches_hidden, found=list(params))) if watch else None
         job = job.for_run(seed=seed, params=params, watch=check)
+        # Through the engine's operator, as a compiled graph calls it; it runs this job.
+        score_tensors = [*([bias] if bias is not None else []), *params]
         try:
-            out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
+            out, lse = operators.attention(job, p.q, p.k, p.v, score_tensors, p.return_lse)
         except HiddenDependency:
-            return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), q, k, v))
-        if job.fused and needs_grad and huge_lse(lse):
-            # The fused kernel recomputes the scores in its backward with a different
-            # summation order than its forward; at scores of ~1e3 and beyond the two
-            # differ by more than float32 noise (5e-3 at 1e4, measured), which scales
-            # whole rows of the recomputed probabilities. torch's own SDPA flash backward
-            # shares this. Explicit matmuls recompute bit-identical scores, so such
-            # problems are redone with them (the forward runs twice, only here; qkv.plan
-            # says so in a note).
-            job = make_job(p, matmul=True).for_run(seed=seed)
-            out, lse = BlockSparseAttention.apply(job, q, k, v, bias, *params)
+            return _maybe_lse(p, autograd.checkpointed(job.for_run(watch=None), p.q, p.k, p.v))
         return _maybe_lse(p, (out, lse))
 
 

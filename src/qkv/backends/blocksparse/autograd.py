@@ -1,9 +1,9 @@
-"""Autograd for the block-sparse engine: the ``torch.autograd.Function`` whose backward
-recomputes from the saved log-sum-exp, and how gradients reach a score_mod's tensors.
+"""How the block-sparse engine's gradients reach a score_mod's tensors (the autograd formula
+itself is registered on the engine's operator, :mod:`.operators`).
 
 Gradients reach a bias tensor and the tensors a callable score_mod closes over: those are
 found by looking into the score_mod (closure cells, attributes, ``functools.partial``
-arguments, ``nn.Module`` parameters, globals it names) and passed to the Function as inputs;
+arguments, ``nn.Module`` parameters, globals it names) and passed to the operator as inputs;
 in the backward the score_mod is re-run on each piece under autograd. If a probe shows the
 score_mod depends on a learnable tensor that was not found, the engine falls back to
 checkpointed per-block autograd (:func:`checkpointed`), slower but still exact and O(n) in
@@ -19,56 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..._core.problem import Problem
-from .backward import backward
-from .forward import forward, row_forward
+from .forward import row_forward
 from .job import Job
 
 Tensor = torch.Tensor
-
-
-class BlockSparseAttention(torch.autograd.Function):
-    """``(job, q, k, v, bias, *params) -> (out, lse)`` with a recomputing backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, job: Job, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, *params: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        out, lse = forward(job, q, k, v)
-        ctx.job = job
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @once_differentiable  # the recomputing backward is not itself differentiable: say so
-    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
-        job: Job = ctx.job
-        q, k, v, out, lse = ctx.saved_tensors
-        need = list(ctx.needs_input_grad[1:])
-        if dout is None:
-            dout = torch.zeros_like(out)
-        g = backward(job, q, k, v, out, lse, dout, dlse, need)
-        dbias = None
-        if job.bias is not None and need[3] and g.dbias is not None:
-            dbias = g.dbias.to(job.bias.dtype)
-        # A parameter no visible score reached (every key masked) still gets a zero gradient,
-        # as plain autograd would give it.
-        dparams = [
-            (torch.zeros_like(t) if n else None) if d is None else d.to(t.dtype)
-            for d, t, n in zip(g.dparams, job.params, ctx.needs_input_grad[5:], strict=True)
-        ]
-        return (
-            None,
-            g.dq.to(q.dtype) if need[0] else None,
-            g.dk.to(k.dtype) if need[1] else None,
-            g.dv.to(v.dtype) if need[2] else None,
-            dbias,
-            *dparams,
-        )
 
 
 # ------------------------------------------------------------------ score_mod gradients
