@@ -404,4 +404,4 @@ def test_torch_compile_traces_attention_while_recording() -> None:
     assert torch.allclose(got, f(x), atol=1e-6)
     assert len(rec) == 0  # the compiled call was not recorded
     # private: the recorder's own state after the block is the unit tested
-    assert qkv._recording.current() is None and qkv._recording._open == 0
+    assert qkv._recording.current() is None and qkv._recording.OPEN == 0

@@ -42,19 +42,21 @@ LAYER: ContextVar[str] = ContextVar("qkv_layer", default="")
 # dotted name inside the recorded model.
 CALLER: ContextVar[object | None] = ContextVar("qkv_caller", default=None)
 
-_open = 0  # record() blocks open in any thread; while 0, current() reads nothing else
+# record() blocks open in any thread; while 0, current() reads nothing else (and qkv.attention
+# does not call it: a repeat call stays in its own few files)
+OPEN = 0
 _lock = threading.Lock()
 
 
 def current() -> Observer | None:
     """The active recorder of this context, or ``None`` (always ``None`` while compiling)."""
-    if not _open or torch.compiler.is_compiling():
+    if not OPEN or torch.compiler.is_compiling():
         return None
     return ACTIVE.get()
 
 
 def opened(delta: int) -> None:
     """Count a record() block in (+1) or out (-1)."""
-    global _open
+    global OPEN
     with _lock:
-        _open += delta
+        OPEN += delta

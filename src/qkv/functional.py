@@ -78,7 +78,7 @@ def attention(
         >>> qkv.attention(q, k, v, mask=qkv.causal).shape
         torch.Size([2, 8, 128, 64])
     """
-    recorder = _recording.current()  # qkv.inspect.record(): None unless recording
+    recorder = _recording.current() if _recording.OPEN else None  # qkv.inspect.record()
     if score_mod is None and recorder is None and _no_dropout(dropout_p):
         # A repeat call: its signature's plan was decided (and its arguments checked) before.
         res = planner.repeat(q, k, v, mask, scale, return_lse, backend)

@@ -173,12 +173,8 @@ def _band_runner(p: Problem, job: Job) -> Runner | None:
         return None
     from . import native  # (imported here, as forward() does)
 
-    (lo, hi), scale = job.native_band, p.scale
-
-    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
-        return native.band_forward(q, k, v, lo, hi, scale)
-
-    return run
+    (lo, hi) = job.native_band
+    return native.band_runner(lo, hi, p.scale)
 
 
 def _extra_memory(p: Problem) -> int:

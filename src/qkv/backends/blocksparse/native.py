@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,7 +78,11 @@ def _chunk(blocks: int, per_thread: int) -> int:
     were within ~5% of each other in the tuning above)."""
     if is_symbolic(blocks):
         return SYMBOLIC_CHUNK
-    return max(1, min(MAX_CHUNK, blocks // (per_thread * _threads())))
+    return _eager_chunk(blocks, per_thread, _threads())
+
+
+def _eager_chunk(blocks: int, per_thread: int, threads: int) -> int:
+    return max(1, min(MAX_CHUNK, blocks // (per_thread * threads)))
 
 
 @assume_constant_result
@@ -99,6 +104,26 @@ def band_forward(
     chunk = _chunk(q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK), per_thread=4)
     out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
     return out, lse
+
+
+def band_runner(
+    lo: int, hi: int, scale: float
+) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None:
+    """:func:`band_forward` with the operator and everything but the tensors bound, for the
+    eager repeat calls of a kept plan (``None`` when the kernel cannot be had). A repeat
+    call then runs this file and the kernel only: the operator is looked up once, here (the
+    kept plan's signature holds ``QKV_NATIVE``, so a switch plans anew)."""
+    op = band_forward_op()
+    if op is None:
+        return None
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK)
+        chunk = _eager_chunk(blocks, 4, torch.get_num_threads())
+        out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
+        return out, lse
+
+    return run
 
 
 def band_backward(
