@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
