@@ -93,9 +93,15 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
       [](Vec& u, Vec& w) { return at::vec::maximum(u, w); }, vhi);
   float lo = at::vec::vec_reduce_all<float>(
       [](Vec& u, Vec& w) { return at::vec::minimum(u, w); }, vlo);
-  for (; i < len; ++i) {
-    hi = qkv_cpu::nan_max(hi, x[i]);  // at::vec::maximum above keeps NaN too
-    lo = qkv_cpu::nan_min(lo, x[i]);
+  if (i < len) {  // the last len - vlen scores: one partial vector, not a scalar loop (a
+    const int64_t c = len - i;  // row of 8 keys is all tail under AVX-512's 16 lanes)
+    const Vec t = Vec::loadu(x + i, c);
+    hi = qkv_cpu::nan_max(hi, at::vec::vec_reduce_all<float>(
+                                  [](Vec& u, Vec& w) { return at::vec::maximum(u, w); },
+                                  Vec::set(Vec(neg_inf), t, c)));
+    lo = qkv_cpu::nan_min(lo, at::vec::vec_reduce_all<float>(
+                                  [](Vec& u, Vec& w) { return at::vec::minimum(u, w); },
+                                  Vec::set(Vec(std::numeric_limits<float>::infinity()), t, c)));
   }
   const float mx = (scale >= 0.f ? hi : lo) * scale;
   if (std::isnan(mx) || mx == -neg_inf) {
@@ -117,12 +123,13 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
     acc += t;
     t.store(x + i);
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, acc);
-  for (; i < len; ++i) {
-    x[i] = std::exp(x[i] * scale - mx);
-    sum += x[i];
+  if (i < len) {  // the tail as one partial vector; its unused lanes add nothing
+    const int64_t c = len - i;
+    const Vec t = Vec::set(Vec(0.f), at::vec::fmsub(Vec::loadu(x + i, c), vscale, vm).exp_u20(), c);
+    acc += t;
+    t.store(x + i, c);
   }
-  return {mx, sum};
+  return {mx, at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, acc)};
 }
 
 std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::Tensor& k,
@@ -338,10 +345,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                 pv.store(pr + i);
                 ((Vec::loadu(dr + i) - vd) * pv * vscale).store(dr + i);
               }
-              for (; i < e; ++i) {
-                const float pv = std::exp((pr[i] * scale - lh) - ll);
-                pr[i] = pv;
-                dr[i] = (dr[i] - dsum) * pv * scale;
+              if (i < e) {  // the tail: one partial vector (see softmax_row)
+                const int64_t c = e - i;
+                const Vec pv =
+                    ((at::vec::fmsub(Vec::loadu(pr + i, c), vscale, vlh)) - vll).exp_u20();
+                pv.store(pr + i, c);
+                ((Vec::loadu(dr + i, c) - vd) * pv * vscale).store(dr + i, c);
               }
             }
             // dq = scale·dS·K  (dS already carries the scale)
