@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from qkv.models import LlamaConfig, LlamaDecoder, quantized
-from qkv.models import _generate as generate
 from qkv.models._generate import Sampling, decode_tokens
-from qkv.models._llama_step import can_step, step
+from qkv.models._llama_step import Stepper, can_step, step
 
 gguf = pytest.importorskip("gguf")
 
@@ -115,20 +114,21 @@ def test_step_equals_the_forward_on_float32_weights() -> None:
 def test_the_decoding_loop_takes_the_step_only_where_it_stands_in(monkeypatch) -> None:
     dec = _decoder(blocks=True, seed=1)
     calls: list[int] = []
+    real = Stepper.__call__
 
-    def spy(d, ids, caches):
+    def spy(self, ids, caches):
         calls.append(ids.shape[0])
-        return step(d, ids, caches)
+        return real(self, ids, caches)
 
-    monkeypatch.setattr(generate, "one_step", spy)
+    monkeypatch.setattr(Stepper, "__call__", spy)
     s = Sampling(8, 0.0, 1.0, None)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
     fast = [t.tolist() for t in decode_tokens(dec, prompts, s, pad_id=0)]
     assert calls == [2] * 7  # every token after the first
-    monkeypatch.setattr(generate, "can_step", lambda *a: False)
+    monkeypatch.setattr(Stepper, "can_step", lambda *a: False)
     assert [t.tolist() for t in decode_tokens(dec, prompts, s, pad_id=0)] == fast
     monkeypatch.undo()
-    monkeypatch.setattr(generate, "one_step", spy)
+    monkeypatch.setattr(Stepper, "__call__", spy)
     calls.clear()
     list(decode_tokens(dec, [[5, 6, 7], [9, 10, 11, 12]], s, pad_id=0))  # left-padded
     handle = dec.layers[1].attention.register_forward_hook(lambda *a: None)

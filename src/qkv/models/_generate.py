@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._llama_step import can_step
-from ._llama_step import step as one_step
+from ._llama_step import Stepper
 from .llama import LlamaDecoder
 
 Tensor = torch.Tensor
@@ -81,14 +80,15 @@ def decode_tokens(
     if s.seed is not None:
         gen = torch.Generator(device=dev).manual_seed(s.seed)
     caches = decoder.new_caches(L + steps)
+    stepper = Stepper(decoder)
     with torch.inference_mode():
         logits = decoder(ids.to(dev), caches=caches, starts=pad, last_only=True).logits
         for step in range(steps):
             tok = _pick(logits[:, -1], s, gen)  # [B]
             yield tok
             if step + 1 < steps:
-                if pad is None and can_step(decoder, caches):  # the same logits, less Python
-                    logits = one_step(decoder, tok[:, None], caches)
+                if pad is None and stepper.can_step(caches):  # the same logits, less Python
+                    logits = stepper(tok[:, None], caches)
                 else:
                     logits = decoder(tok[:, None], caches=caches, starts=pad, last_only=True).logits
 

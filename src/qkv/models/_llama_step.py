@@ -24,6 +24,7 @@ caches all holding the same tokens with room for one more, and no left padding.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -39,56 +40,86 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["can_step", "step"]
+__all__ = ["Stepper", "can_step", "step"]
+
+
+class Stepper:
+    """The step for one decoding run of ``decoder``: its modules listed, its products stacked
+    and each layer's parts looked up once, when decoding starts (the module tree and the
+    weights' arithmetic do not change while tokens are being decoded; hooks may come and go,
+    and :meth:`can_step` looks for them every time)."""
+
+    def __init__(self, decoder: LlamaDecoder) -> None:
+        self.decoder = decoder
+        self.modules = list(decoder.modules())
+        a = cast("LlamaLayer", decoder.layers[0]).attention
+        rope = a.rope
+        self.fits = a.q_norm is None and rope is not None and rope.dim == a.head_dim
+        self.rope = rope
+        self.layers = [
+            (
+                *(layer.attn_norm, a.n_heads, a.n_kv_heads, a.head_dim, qkv_),
+                *(_product(a.out_proj), layer.ffn_norm, gate_up, _product(layer.down)),
+            )
+            for layer, (qkv_, gate_up) in zip(
+                cast("list[LlamaLayer]", decoder.layers), _fused(decoder), strict=True
+            )
+            for a in (layer.attention,)
+        ]
+        self.head = _product(decoder.lm_head)
+
+    def can_step(self, caches: list[KVCache] | None) -> bool:
+        """Whether :meth:`__call__` may stand in for the decoder's forward on one token per
+        row over ``caches``."""
+        dec = self.decoder
+        if caches is None or torch.is_grad_enabled() or dec.training or _global_hooks():
+            return False
+        if not self.fits or len(caches) != len(self.layers):
+            return False
+        n = caches[0].length
+        for c in caches:  # (the kernel takes few rows: a larger batch multiplies float32 weights)
+            if type(c) is not KVCache or c._k is None or c._v is None or c._k.shape[0] > MAX_ROWS:
+                return False
+            if c.length != n or n == 0 or n + 1 > c.max_len:
+                return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def __call__(self, ids: Tensor, caches: list[KVCache]) -> Tensor:
+        """Logits ``[B, 1, vocab]`` of one new token per row (``ids [B, 1]``) after the
+        cached ones, as ``decoder(ids, caches=caches, last_only=True).logits``; only where
+        :meth:`can_step`. The caches advance by one."""
+        n = caches[0].length
+        B = ids.shape[0]
+        x = self.decoder.embed.weight[ids[:, 0]]  # [B, d]
+        rope = cast("nn.Module", self.rope)
+        for (attn_norm, H, Hkv, D, qkv_proj, out, ffn_norm, gate_up, down), cache in zip(
+            self.layers, caches, strict=True
+        ):
+            qkv_ = qkv_proj(_norm(attn_norm, x))  # [B, (H + 2 Hkv) D]
+            qk = qkv_[:, : (H + Hkv) * D].view(B, H + Hkv, 1, D)
+            qk = rope.forward(qk, offset=n)  # q and k rotated at once
+            kb, vb = cache._k, cache._v
+            assert kb is not None and vb is not None
+            kb[:, :, n].copy_(qk[:, H:, 0])
+            vb[:, :, n].copy_(qkv_[:, (H + Hkv) * D :].view(B, Hkv, D))
+            # one query at the last position: qkv.causal lets it see every cached key
+            o = cast("Tensor", attention(qk[:, :H], kb[:, :, : n + 1], vb[:, :, : n + 1]))
+            x = x + out(o.view(B, H * D))
+            g, u = gate_up(_norm(ffn_norm, x)).chunk(2, dim=-1)  # [B, d_ff] each
+            x = x + down(F.silu(g) * u)
+        for cache in caches:
+            cache._advance(1)
+        return self.head(_norm(self.decoder.norm, x)).view(B, 1, -1)
 
 
 def can_step(decoder: LlamaDecoder, caches: list[KVCache] | None) -> bool:
     """Whether :func:`step` may stand in for the decoder's forward on one token per row."""
-    if caches is None or torch.is_grad_enabled() or decoder.training or _global_hooks():
-        return False
-    if len(caches) != len(decoder.layers) or any(type(c) is not KVCache for c in caches):
-        return False
-    n = caches[0].length
-    for c in caches:  # (the kernel takes few rows: a larger batch multiplies float32 weights)
-        if c._k is None or c._k.shape[0] > MAX_ROWS:
-            return False
-        if c.length != n or n == 0 or n + 1 > c.max_len or c._v is None:
-            return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in decoder.modules()):
-        return False
-    a = cast("LlamaLayer", decoder.layers[0]).attention
-    return a.q_norm is None and a.rope is not None and a.rope.dim == a.head_dim
+    return Stepper(decoder).can_step(caches)
 
 
 def step(decoder: LlamaDecoder, ids: Tensor, caches: list[KVCache]) -> Tensor:
-    """Logits ``[B, 1, vocab]`` of one new token per row (``ids [B, 1]``) after the cached
-    ones, as ``decoder(ids, caches=caches, last_only=True).logits``; only where
-    :func:`can_step`. The caches advance by one."""
-    n = caches[0].length
-    B = ids.shape[0]
-    x = decoder.embed.weight[ids[:, 0]]  # [B, d]
-    fused = _fused(decoder)
-    for layer, cache, (qkv_proj, gate_up) in zip(
-        cast("list[LlamaLayer]", decoder.layers), caches, fused, strict=True
-    ):
-        a = layer.attention
-        H, Hkv, D = a.n_heads, a.n_kv_heads, a.head_dim
-        h = _norm(layer.attn_norm, x)
-        qkv_ = qkv_proj(h)  # [B, (H + 2 Hkv) D]
-        qk = qkv_[:, : (H + Hkv) * D].view(B, H + Hkv, 1, D)
-        qk = cast("nn.Module", a.rope).forward(qk, offset=n)  # q and k rotated at once
-        kb, vb = cache._k, cache._v
-        assert kb is not None and vb is not None
-        kb[:, :, n].copy_(qk[:, H:, 0])
-        vb[:, :, n].copy_(qkv_[:, (H + Hkv) * D :].view(B, Hkv, D))
-        o = cast("Tensor", attention(qk[:, :H], kb[:, :, : n + 1], vb[:, :, : n + 1]))
-        x = x + _linear(a.out_proj, o.view(B, H * D))
-        gu = gate_up(_norm(layer.ffn_norm, x))  # [B, 2 d_ff]
-        g, u = gu.chunk(2, dim=-1)
-        x = x + _linear(layer.down, F.silu(g) * u)
-    for cache in caches:
-        cache._advance(1)
-    return _linear(decoder.lm_head, _norm(decoder.norm, x)).view(B, 1, -1)
+    """One :class:`Stepper` step (a decoding loop keeps its stepper between tokens)."""
+    return Stepper(decoder)(ids, caches)
 
 
 def _norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -96,17 +127,16 @@ def _norm(norm: nn.Module, x: Tensor) -> Tensor:
     return F.rms_norm(x, cast("list[int]", m.normalized_shape), m.weight, m.eps)
 
 
-def _linear(lin: nn.Module, x: Tensor) -> Tensor:
-    if type(lin) is nn.Linear:
-        return F.linear(x, lin.weight, lin.bias)
-    return cast("Tensor", lin.forward(x))
+def _product(lin: nn.Module) -> Any:
+    """``x [B, in] -> [B, out]`` for one linear module, called without its module call."""
+    return _stack((lin,))
 
 
 def _fused(decoder: LlamaDecoder) -> list[tuple[Any, Any]]:
     """Per layer, the ``q/k/v`` product and the ``gate/up`` product (``x -> [q | k | v]``,
-    ``x -> [gate | up]``): one :class:`QuantizedLinear` over the stacked blocks where the
-    parts allow, else the parts called one after the other. Made again when a part's blocks,
-    format or arithmetic change."""
+    ``x -> [gate | up]``): one kernel call over the stacked blocks where the parts allow,
+    else the parts called one after the other. Kept on the decoder; made again when a part's
+    blocks, format or arithmetic change."""
     parts = [
         (
             (layer.attention.q_proj, layer.attention.k_proj, layer.attention.v_proj),
@@ -133,7 +163,9 @@ def _key(m: nn.Module) -> tuple[object, ...]:
 
 
 def _stack(mods: tuple[nn.Module, ...]) -> Any:
-    """One product for ``mods`` side by side, or their products concatenated."""
+    """``x [B, in] -> [B, sum of out]``: the kernel on ``mods``' blocks stacked (all
+    :class:`QuantizedLinear` of one format and arithmetic), else the modules' own products
+    concatenated. Called without module calls: only where :meth:`Stepper.can_step`."""
     qs = [m for m in mods if isinstance(m, QuantizedLinear)]
     if (
         len(qs) == len(mods)
@@ -142,15 +174,22 @@ def _stack(mods: tuple[nn.Module, ...]) -> Any:
         blocks = [cast("Tensor", m._buffers["blocks"]) for m in qs]
         ops = kernel()
         if ops is not None and len({b.device for b in blocks}) == 1 and not blocks[0].is_cuda:
-            stacked = torch.cat(blocks)  # [sum of out_features, bytes per row]
-            row = 0
-            for m in qs:  # each part now reads its rows of the stack (no second copy)
-                m._buffers["blocks"] = stacked[row : row + m.out_features]
-                row += m.out_features
+            stacked = blocks[0]
+            if len(blocks) > 1:
+                stacked = torch.cat(blocks)  # [sum of out_features, bytes per row]
+                row = 0
+                for m in qs:  # each part now reads its rows of the stack (no second copy)
+                    m._buffers["blocks"] = stacked[row : row + m.out_features]
+                    row += m.out_features
             op = ops.linear_q8 if qs[0].int8_activations else ops.linear
             code, k = FORMATS[qs[0].qtype][0], qs[0].in_features
             return lambda x: op(x, stacked, code, k)
-    return lambda x: torch.cat([_linear(m, x) for m in mods], dim=-1)
+    if len(mods) == 1:
+        one = mods[0]
+        if type(one) is nn.Linear:
+            return partial(F.linear, weight=one.weight, bias=one.bias)
+        return one.forward
+    return lambda x: torch.cat([_stack((part,))(x) for part in mods], dim=-1)
 
 
 def _global_hooks() -> bool:
