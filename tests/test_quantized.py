@@ -208,12 +208,17 @@ INT_SHAPES = [(1, 32), (7, 96), (33, 576), (61, 1536), (5, 32 * 37)]
 
 
 @needs_compiler
+@pytest.mark.parametrize("vnni", ["1", "0"], ids=["vnni where present", "QKV_QUANT_VNNI=0"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), INT_SHAPES, ids=str)
-def test_int8_kernel_matches_the_quantised_formula(fmt: str, n: int, k: int) -> None:
+def test_int8_kernel_matches_the_quantised_formula(
+    fmt: str, n: int, k: int, vnni: str, monkeypatch
+) -> None:
     """linear_q8 is the float64 product of the torch-quantised activations and the weights to
     float32 rounding, for 1, 3, 7 and MAX_ROWS rows, a strided input, a block of zeros (scale
-    0) and one of tiny values (a subnormal scale)."""
+    0) and one of tiny values (a subnormal scale). Under AVX-512 the kernel multiplies bytes
+    with VNNI where the CPU has it, else (and with QKV_QUANT_VNNI=0) with AVX512BW."""
+    monkeypatch.setenv("QKV_QUANT_VNNI", vnni)
     assert quantized.kernel() is not None, quantized.LIBRARY.disabled()
     seed = zlib.crc32(repr(("q8", fmt, n, k)).encode())
     blocks, w = _blocks(fmt, n, k, seed)
@@ -231,10 +236,12 @@ def test_int8_kernel_matches_the_quantised_formula(fmt: str, n: int, k: int) -> 
 
 
 @needs_compiler
+@pytest.mark.parametrize("vnni", ["1", "0"], ids=["vnni where present", "QKV_QUANT_VNNI=0"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_int8_kernel_keeps_nan_and_inf(fmt: str) -> None:
+def test_int8_kernel_keeps_nan_and_inf(fmt: str, vnni: str, monkeypatch) -> None:
     """A row holding a NaN or an infinity is multiplied in float32: NaN and inf come out where
     F.linear puts them; the finite rows beside it are the quantised product."""
+    monkeypatch.setenv("QKV_QUANT_VNNI", vnni)
     blocks, w = _blocks(fmt, 9, 96, 3)
     x = torch.randn(4, 96)
     x[1, 40] = float("nan")

@@ -16,8 +16,9 @@ Two arithmetics for those few-row products (``QuantizedLinear.int8_activations``
 - int8 activations (``kernels/quant_int.cpp``, opt-in with
   :meth:`TextDecoder.quantize_activations`): each input row is quantised to 8-bit blocks of
   32 (a scale ``max|x| / 127`` and 32 int8, as llama.cpp's Q8 formats), and each weight block
-  times an input block is an integer dot product of 32 small integers. It is llama.cpp's
-  arithmetic and faster (benchmarks/RESULTS.md: decoding SmolLM2 at one thread), but it changes
+  times an input block is an integer dot product of 32 small integers (under AVX-512,
+  ``kernels/quant_pairs.cpp``: two blocks per vector, with VNNI where the CPU has it). It is
+  llama.cpp's arithmetic and faster (benchmarks/RESULTS.md: decoding SmolLM2 at one thread), but it changes
   the result by up to half a quantisation step of each input value, so logits move by ~0.1
   and near-tied tokens can swap; it is not the default for that reason.
 
@@ -76,6 +77,7 @@ LIBRARY = NativeLibrary(
     [
         Path(__file__).parent / "kernels" / "quant.cpp",
         Path(__file__).parent / "kernels" / "quant_int.cpp",
+        Path(__file__).parent / "kernels" / "quant_pairs.cpp",
     ],
     what="CPU kernel for GGUF blocks",
     # the weights must round as gguf's numpy does (a product, then a sum): no fused d*q + m

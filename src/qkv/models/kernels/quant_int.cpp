@@ -38,6 +38,20 @@
 #include <memory>
 #include <vector>
 
+// quant_pairs.cpp: the products under AVX-512, two blocks per vector (declared again here:
+// see above on headers)
+namespace qkv_quant_pairs {
+
+struct Q8Row {
+  const int8_t* q;
+  const float* ds;
+};
+
+void rows_times_pairs(int64_t qtype, int rows, const Q8Row* a, int64_t nb, const uint8_t* wq,
+                      int64_t row_bytes, int64_t n0, int64_t n1, float* out, int64_t N);
+
+}  // namespace qkv_quant_pairs
+
 namespace {
 
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
@@ -83,10 +97,7 @@ inline float half_at(const uint8_t* p) {
 
 // One row's blocks: q [nb * 32] int8 and ds [nb * 2], block j's scale d at 2j and
 // s = d * sum(q of the block) at 2j + 1 (side by side: the kernel loads both at once).
-struct Q8Row {
-  const int8_t* q;
-  const float* ds;
-};
+using qkv_quant_pairs::Q8Row;
 
 // Quantise x [K] into q and ds; false (the row left unfinished) where a value is not finite.
 bool quantize_row(const float* x, int64_t K, int8_t* q, float* ds) {
@@ -301,12 +312,16 @@ void linear_rows(const Q8Row* a, const float* x, const bool* ok, int64_t M, int6
   for (int64_t r = 0; r < G; r += ROWS) {
     const int64_t m = std::min<int64_t>(ROWS, G - r);
     float* o = dense ? out + r * N : scratch.data();
+#if defined(QKV_AVX512)
+    qkv_quant_pairs::rows_times_pairs(T, static_cast<int>(m), good.data() + r, nb, wq, row_bytes, n0, n1, o, N);
+#else
     switch (m) {
       case 1: rows_times_blocks<T, 1>(good.data() + r, nb, wq, row_bytes, n0, n1, o, N); break;
       case 2: rows_times_blocks<T, 2>(good.data() + r, nb, wq, row_bytes, n0, n1, o, N); break;
       case 3: rows_times_blocks<T, 3>(good.data() + r, nb, wq, row_bytes, n0, n1, o, N); break;
       default: rows_times_blocks<T, 4>(good.data() + r, nb, wq, row_bytes, n0, n1, o, N); break;
     }
+#endif
     if (!dense) {
       for (int64_t i = 0; i < m; ++i) {
         std::copy(o + i * N + n0, o + i * N + n1, out + where[r + i] * N + n0);
