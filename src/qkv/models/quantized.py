@@ -18,9 +18,9 @@ Two arithmetics for those few-row products (``QuantizedLinear.int8_activations``
   32 (a scale ``max|x| / 127`` and 32 int8, as llama.cpp's Q8 formats), and each weight block
   times an input block is an integer dot product of 32 small integers (under AVX-512,
   ``kernels/quant_pairs.cpp``: two blocks per vector, with VNNI where the CPU has it). It is
-  llama.cpp's arithmetic and faster (benchmarks/RESULTS.md: decoding SmolLM2 at one thread), but it changes
-  the result by up to half a quantisation step of each input value, so logits move by ~0.1
-  and near-tied tokens can swap; it is not the default for that reason.
+  llama.cpp's arithmetic and faster (benchmarks/RESULTS.md: decoding SmolLM2 at one thread),
+  but it changes the result by up to half a quantisation step of each input value, so logits
+  move by ~0.1 and near-tied tokens can swap; it is not the default for that reason.
 
 When the kernel cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed build) the
 loader keeps plain ``nn.Linear`` layers on the dequantised float32 weights, as before; the
