@@ -9,6 +9,10 @@ figure is the median over rounds of the per-round ratio (qkv time / SDPA time), 
 only, no gradient.
 
     .venv/bin/python benchmarks/small_masked.py [--rounds 9] [--calls 300] [--threads 1]
+        [--shape B,H,L,D]
+
+``--shape`` runs another shape (the padding lengths and documents scale with L: lengths
+5/6, 1, 5/8 and 5/12 of L, documents of L/3 keys) to see where a route stops paying.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import qkv
 sys.path.insert(0, os.path.dirname(__file__))
 from machine import describe
 
-B, H, L, D = 4, 4, 48, 32
+SHAPE = (4, 4, 48, 32)  # B, H, L, D
 
 
 def _per_call(fn: Callable[[], object], calls: int) -> float:
@@ -43,7 +47,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--shape", default=",".join(map(str, SHAPE)), help="B,H,L,D")
     args = ap.parse_args()
+    B, H, L, D = (int(x) for x in args.shape.split(","))
+    if args.calls == ap.get_default("calls"):  # about the same time per round at any shape
+        args.calls = max(3, 300 * SHAPE[0] * SHAPE[1] * SHAPE[2] ** 2 // (B * H * L * L))
     torch.set_num_threads(args.threads)
     print(describe())
     print(f"B={B} H={H} L={L} D={D} float32, {args.threads} thread(s), forward, no gradient")
@@ -51,7 +59,8 @@ def main() -> None:
     q, k, v = (torch.randn(B, H, L, D, generator=gen) for _ in range(3))
     idx = [torch.arange(n).view(*s) for n, s in ((B, (B, 1, 1, 1)), (H, (1, H, 1, 1)))]
     idx += [torch.arange(L).view(1, 1, L, 1), torch.arange(L).view(1, 1, 1, L)]
-    ids, lengths = torch.arange(L) // 16, torch.tensor([40, 48, 30, 20])
+    ids = torch.arange(L) // max(1, L // 3)
+    lengths = torch.tensor([L * f // 24 for f in (20, 24, 15, 10)] * B)[:B]
     # (name, the mask kept, the mask made anew at each call as a model's forward writes it)
     masks: list[tuple[str, object, Callable[[], object] | None]] = [
         ("document", qkv.document(ids), lambda: qkv.document(ids)),

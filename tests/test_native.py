@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import qkv
-from catalogue import Shape, make_qkv
+from catalogue import LAYOUTS, Shape, lay_out, make_qkv
 from qkv._core.builtin_mods import Band
 from qkv.backends.blocksparse import native as _native
 
 # private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends.blocksparse import plan as plan_mod
+from qkv.backends.blocksparse.grads import lse_hi_lo
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 needs_compiler = pytest.mark.skipif(
@@ -210,6 +211,101 @@ def test_backward_runs_in_the_kernel_with_gradients_through_lse(monkeypatch, hea
     for f, e, p in zip(fast, exact, plain, strict=True):
         err, plain_err = (f.double() - e).abs().max(), (p.double() - e).abs().max()
         assert err <= 3 * plain_err + 1e-5, (float(err), float(plain_err))
+
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv): odd head dims, GQA, Lq != Lk both ways, one position
+EXTRA_SHAPES = [
+    (2, 4, 2, 113, 113, 59, 59),
+    (3, 2, 2, 7, 29, 16, 16),
+    (2, 2, 1, 37, 53, 111, 64),
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 3, 3, 48, 40, 32, 32),
+]
+
+
+def _extra_masks(B, Lq, Lk, gen):
+    """Padding (batch 0 has no key at all: its rows see nothing), left padding, sorted and
+    unsorted documents, and each with a band."""
+    n = max(Lq, Lk)
+    lengths = torch.randint(0, Lk + 1, (B,), generator=gen)
+    lengths[0] = 0
+    start = torch.randint(0, max(1, Lk // 3), (B,), generator=gen)
+    ids = torch.randint(0, 4, (n,), generator=gen)
+    return {
+        "padding": qkv.padding(lengths),
+        "left_padding": qkv.padding(torch.clamp(lengths, max=Lk // 2), start=start),
+        "documents": qkv.document(torch.sort(ids).values),
+        "unsorted_documents": qkv.document(ids),
+        "causal_padding": qkv.and_masks(qkv.causal, qkv.padding(lengths)),
+        "window_documents": qkv.and_masks(qkv.sliding_window(5), qkv.document(ids)),
+    }
+
+
+class _KernelWithExtras(torch.autograd.Function):
+    """The band kernel's forward and backward with a mask's key ranges and document ids, as
+    the engine would call them (the planner sends such masks to it only without gradients:
+    its backward is tested here directly)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale):
+        p = qkv._door.validate(q, k, v, mask=mask, scale=scale)
+        lo, hi = plan_mod.band_edges(p)
+        more = _native.extras(p.mask.terms, p.B)
+        out, lse = _native.band_forward(q, k, v, lo, hi, p.scale, more)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (lo, hi, p.scale, more)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        lo, hi, scale, more = ctx.meta
+        lse_hi, lse_lo = lse_hi_lo(lse.double(), torch.float32)
+        dq, dk, dv = _native.band_backward(
+            q, k, v, out, dout, lse_hi, lse_lo, dlse, lo, hi, scale, more
+        )
+        return dq, dk, dv, None, None
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", EXTRA_SHAPES, ids=str)
+def test_padding_and_documents_in_the_kernel_match_the_oracle(shape):
+    """Small padding and document masks (alone and with a band) run in the band kernel when
+    no gradient is needed: out and lse against the float64 oracle, every memory layout; the
+    kernel's backward with the same key ranges and ids, gradients through lse included."""
+    B, Hq, Hkv, Lq, Lk, D, Dv = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(shape).encode()))
+    q, k, v = _qkv(B, Hq, Hkv, Lq, Lk, D, Dv, seed=gen)
+    for i, (name, mask) in enumerate(_extra_masks(B, Lq, Lk, gen).items()):
+        layout = LAYOUTS[(i + len(repr(shape))) % len(LAYOUTS)]
+        ql, kl, vl = (lay_out(t, layout) for t in (q, k, v))
+        assert _job(ql, kl, vl, mask).native_band is not None, name
+        got = compare_to_oracle(with_lse, ql, kl, vl, mask=mask, grads=False)
+        assert_matches_oracle(got)
+        kernel = lambda q, k, v, mask, score_mod, scale: _KernelWithExtras.apply(  # noqa: E731
+            q, k, v, mask, scale
+        )
+        assert_matches_oracle(compare_to_oracle(kernel, ql, kl, vl, mask=mask, seed=i))
+
+
+@needs_compiler
+def test_padding_and_documents_take_the_kernel_only_small_and_without_gradients():
+    """Auto sends a small padding or document mask to the kernel (faster than SDPA on the
+    dense mask, measured), keeps SDPA where gradients are needed (its fused backward is
+    faster there) and the engine's tile plans past 2^20 scores."""
+    q, k, v = _qkv(4, 4, 4, 48, 48, 32, 32)
+    for mask in (qkv.padding(torch.tensor([40, 48, 30, 0])), qkv.document(torch.arange(48) // 16)):
+        plan = qkv.plan(q, k, v, mask=mask)
+        assert plan.backend == "blocksparse" and "compiled band kernel" in str(plan), str(plan)
+        torch.testing.assert_close(
+            qkv.attention(q, k, v, mask=mask), qkv.reference.attention(q, k, v, mask=mask)[0]
+        )
+        qg = q.detach().requires_grad_()
+        assert qkv.plan(qg, k, v, mask=mask).backend == "sdpa"
+    big = _qkv(1, 8, 8, 512, 512, 16, 16)
+    mask = qkv.padding(torch.tensor([300]))
+    assert _job(*big, mask).native_band is None
+    assert "compiled band kernel" not in str(qkv.plan(*big, mask=mask))
 
 
 def test_the_build_stamp_reads_the_sources_not_where_the_checkout_lies(

@@ -54,10 +54,16 @@ class BlocksparseBackend(Backend):
         if p.mask.is_none or p.mask.is_causal or native_band(p, build=False) is not None:
             return None
         # Measured (benchmarks/RESULTS.md): faster than the SDPA route (which evaluates the
-        # mask into a dense tensor every call) at every size, 1.2x at n=64 to 2.6x at 256.
+        # mask into a dense tensor every call) at every size, 1.2x at n=64 to 2.6x at 256;
+        # for padding and documents (small grids only), ~0.9x SDPA's time on the dense mask.
+        if p.mask.is_band:
+            return (
+                "SDPA would do all Lq*Lk work on a dense mask evaluated every call; qkv's "
+                "compiled band kernel computes only the band, faster at every size measured"
+            )
         return (
-            "SDPA would do all Lq*Lk work on a dense mask evaluated every call; qkv's "
-            "compiled band kernel computes only the band, faster at every size measured"
+            "SDPA would read this mask as a dense [Lq, Lk] tensor; qkv's compiled band kernel "
+            "reads its key ranges or document ids, faster at this size (measured)"
         )
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
@@ -174,7 +180,7 @@ def _band_runner(p: Problem, job: Job) -> Runner | None:
     from . import native  # (imported here, as forward() does)
 
     (lo, hi) = job.native_band
-    return native.band_runner(lo, hi, p.scale)
+    return native.band_runner(lo, hi, p.scale, native.extras(p.mask.terms, p.B))
 
 
 def _extra_memory(p: Problem) -> int:

@@ -46,8 +46,9 @@ def backward(
         from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
 
         lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
+        more = native.extras(job.p.mask.terms, job.p.B)
         dq, dk, dv = native.band_backward(
-            q, k, v, out, dout, lse_hi, lse_lo, dlse, *job.native_band, job.p.scale
+            q, k, v, out, dout, lse_hi, lse_lo, dlse, *job.native_band, job.p.scale, more
         )
         return Grads.of(job, dq, dk, dv)
     if job.fused:

@@ -226,7 +226,8 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if job.native_band is not None:
         from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
 
-        out, lse32 = native.band_forward(q, k, v, *job.native_band, p.scale)
+        more = native.extras(p.mask.terms, B)
+        out, lse32 = native.band_forward(q, k, v, *job.native_band, p.scale, more)
         return out, lse32.double()
     if job.fused:  # torch's fused kernel: one head dim, and a dense last dim
         dm = max(p.D, p.Dv)

@@ -1,10 +1,11 @@
 """qkv's compiled CPU band kernel: ``kernels/band.cpp``, built on first use (``qkv.native``).
 
 Two operators from one source: ``band_forward`` and ``band_backward``, the forward and
-backward of band masks (sliding windows) on float32 CPU tensors. They are an accelerator,
-never a requirement: when they cannot be built (no C++ compiler, ``QKV_NATIVE=0``, a failed
-build) the block-sparse engine runs the same problem with torch's fused kernel, and
-:func:`qkv.plan` says which one runs. Building, caching and loading are
+backward of band masks (sliding windows) on float32 CPU tensors, optionally with a key range
+per batch element or document ids (:func:`extras`: small padding and document masks). They
+are an accelerator, never a requirement: when they cannot be built (no C++ compiler,
+``QKV_NATIVE=0``, a failed build) the block-sparse engine runs the same problem with torch's
+fused kernel, and :func:`qkv.plan` says which one runs. Building, caching and loading are
 :class:`qkv.native.NativeLibrary`'s (per torch version and CPU capability, under
 ``$QKV_NATIVE_DIR`` or ``~/.cache/qkv/native``); ``python -m qkv.backends.blocksparse.native``
 builds it ahead of time.
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..._core.terms import Terms
 from ..._core.tracing import assume_constant_result, is_symbolic
 from ...native import NativeLibrary
 
@@ -92,35 +94,66 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+# The kernel's optional inputs besides the band: (kstart, klimit, ids), int64 CPU tensors.
+Extras = tuple[Tensor | None, Tensor | None, Tensor | None]
+NO_EXTRAS: Extras = (None, None, None)
+
+
+def extras(terms: Terms, B: int) -> Extras:
+    """What the kernel reads of a mask besides its band: the key range per batch element
+    (``[B]`` starts and ends; a padding mask) and document ids, as contiguous int64 CPU
+    tensors (the mask's own tensors where they already are; copies otherwise)."""
+    if terms.keys is None and terms.ids is None:
+        return NO_EXTRAS
+    start = limit = ids = None
+    if terms.keys is not None:
+        first, end = terms.keys.per_batch(B)
+        limit = _ints(end)
+        start = None if terms.keys.start is None else _ints(first)
+    if terms.ids is not None:
+        ids = _ints(terms.ids)
+    return start, limit, ids
+
+
+def _ints(t: Tensor) -> Tensor:
+    return t.to(device="cpu", dtype=torch.int64).contiguous()
+
+
 def band_forward(
-    q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float
+    q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float, more: Extras = NO_EXTRAS
 ) -> tuple[Tensor, Tensor]:
     """``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` (float32; zeros and ``-inf`` on rows
-    that see no key) for the band ``lo <= k - q <= hi``. The planner calls this only after
-    :func:`band_forward_op` returned the operator."""
+    that see no key) for the band ``lo <= k - q <= hi`` and what ``more`` (:func:`extras`)
+    adds. The planner calls this only after :func:`band_forward_op` returned the operator."""
     op = band_forward_op()
     if op is None:
         raise RuntimeError(f"qkv's compiled band kernel is unavailable: {disabled()}")
     chunk = _chunk(q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK), per_thread=4)
-    out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse = op(qc, kc, vc, lo, hi, scale, BLOCK, chunk, *more)
     return out, lse
 
 
 def band_runner(
-    lo: int, hi: int, scale: float
+    lo: int, hi: int, scale: float, more: Extras = NO_EXTRAS
 ) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None:
-    """:func:`band_forward` with the operator and everything but the tensors bound, for the
-    eager repeat calls of a kept plan (``None`` when the kernel cannot be had). A repeat
-    call then runs this file and the kernel only: the operator is looked up once, here (the
-    kept plan's signature holds ``QKV_NATIVE``, so a switch plans anew)."""
+    """:func:`band_forward` with the operator and everything but q, k, v bound, for the eager
+    repeat calls of a kept plan (``None`` when the kernel cannot be had). A repeat call then
+    runs this file and the kernel only: the operator is looked up once, here (the kept plan's
+    signature holds ``QKV_NATIVE``, so a switch plans anew, and the mask's tensors by
+    identity and version, so a copy of ``more`` made now holds the call's values)."""
     op = band_forward_op()
     if op is None:
         return None
+    # Copies: the kept plan must not keep the mask's tensors alive (its signature holds them
+    # weakly, and forgets the plan when they go); an in-place edit is a new signature anyway.
+    start, limit, ids = (None if t is None else t.clone() for t in more)
 
     def run(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         blocks = q.shape[0] * q.shape[1] * -(-q.shape[2] // BLOCK)
         chunk = _eager_chunk(blocks, 4, torch.get_num_threads())
-        out, lse = op(q.contiguous(), k.contiguous(), v.contiguous(), lo, hi, scale, BLOCK, chunk)
+        qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = op(qc, kc, vc, lo, hi, scale, BLOCK, chunk, start, limit, ids)
         return out, lse
 
     return run
@@ -138,10 +171,11 @@ def band_backward(
     lo: int,
     hi: int,
     scale: float,
+    more: Extras = NO_EXTRAS,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` (float32) of :func:`band_forward`'s band, recomputed from its ``out``
-    and lse (as float32 ``hi + lo`` parts of the float64 lse, rows without keys finite:
-    ``grads.lse_hi_lo``) and the upstream ``dout`` and ``dlse`` (``None`` when
+    """``dq, dk, dv`` (float32) of :func:`band_forward`'s band (and ``more``), recomputed
+    from its ``out`` and lse (as float32 ``hi + lo`` parts of the float64 lse, rows without
+    keys finite: ``grads.lse_hi_lo``) and the upstream ``dout`` and ``dlse`` (``None`` when
     nothing flowed into the lse)."""
     ops = LIBRARY.ops()
     if ops is None:
@@ -158,6 +192,7 @@ def band_backward(
         scale,
         BLOCK,
         chunk,
+        *more,
     )
     return grads
 

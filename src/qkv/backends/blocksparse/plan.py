@@ -6,7 +6,8 @@
    fused kernel's ``is_causal`` is top-left aligned, as :data:`qkv.causal`), prefix-LM
    (prefix, then the rest causally, merged by lse), sorted documents (optionally causal);
 2. **native_band** — a sliding window in float32 on the CPU: qkv's compiled band kernel,
-   forward and backward;
+   forward and backward; also small padding and document masks (the kernel takes each batch
+   element's key range and document ids beside the band);
 3. **band_groups** — a band on torch's fused kernel: query blocks batched along the band
    forward, key blocks backward;
 4. **pieces** — anything else: per query block its visible key blocks, with torch's fused
@@ -26,6 +27,7 @@ from ..._core.kindspec import unwatched
 from ..._core.problem import Problem
 from ..._core.tiles import DEFAULT_BLOCK
 from ...blockmask import BlockMask, build
+from ..base import small_grid
 from . import schedule
 from .job import Job, Segment, fused_ok
 
@@ -41,16 +43,30 @@ def make_job(p: Problem, *, matmul: bool = False, dry_run: bool = False) -> Job:
     :func:`qkv.plan`) decides without building the compiled kernel."""
     fused = fused_ok(p) is None and not matmul
     plain = fused and p.score.bias is None  # torch's fused kernel with no additive mask
-    if plain and p.Lk > 0:
+    t = p.mask.terms
+    small_extra = t.keys is not None or t.ids is not None  # (native_band: small grids only)
+    if plain and p.Lk > 0 and not (small_extra and native_band(p, build=not dry_run) is None):
         segments = _segments(p)
         if segments:
             return Job(call=p, route="segments", fused=True, segments=tuple(segments))
     if plain and native_band(p, build=not dry_run) is None:
-        lo, hi = p.mask.lo, p.mask.hi
-        assert lo is not None and hi is not None
         # The compiled band kernel computes the forward and the backward (backward.py).
-        return Job(call=p, route="native_band", fused=True, native_band=(lo, hi), masked=True)
+        edges = band_edges(p)
+        return Job(call=p, route="native_band", fused=True, native_band=edges, masked=True)
     return _torch_job(p, fused)
+
+
+def band_edges(p: Problem) -> tuple[int, int]:
+    """``(lo, hi)`` of the band the compiled kernel computes: the mask's own (a window), or
+    for a padding or document mask its band (if any) cut to the keys that exist, so that an
+    edge left open covers every key."""
+    lo, hi = p.mask.lo, p.mask.hi
+    if p.mask.terms.keys is None and p.mask.terms.ids is None:
+        assert lo is not None and hi is not None
+        return lo, hi
+    lo = -(p.Lq - 1) if lo is None else max(lo, -(p.Lq - 1))
+    hi = p.Lk - 1 if hi is None else min(hi, p.Lk - 1)
+    return lo, hi
 
 
 def native_band(p: Problem, *, build: bool = True) -> str | None:
@@ -62,21 +78,34 @@ def native_band(p: Problem, *, build: bool = True) -> str | None:
     why_not_fused = fused_ok(p)
     if why_not_fused is not None:
         return why_not_fused
-    m = p.mask
+    m, t = p.mask, p.mask.terms
     if p.score.bias is not None:
         return "a bias is added"
-    if not m.is_band or m.lo is None or m.hi is None:
+    if t.keys is not None or t.ids is not None:
+        if not t.only(band=True, keys=True, ids=True):
+            return "the mask is more than a band, a key range per batch element and documents"
+        if m.block is not None:
+            return "the mask came as a block mask: its tile plan runs"
+        # measured (benchmarks/RESULTS.md): faster than SDPA on the dense mask up to 2^20
+        # scores without gradients; past it every row's span is long (tile skipping wins),
+        # and with them the engine's autograd costs more than SDPA's fused backward
+        if not small_grid(p):
+            return "a padding or document mask over more than 2^20 scores"
+        if p.requires_grad():
+            return "a padding or document mask with gradients"
+    elif not m.is_band or m.lo is None or m.hi is None:
         return "the mask is not a band with both edges (a sliding window)"
-    if m.hi < m.lo:
-        return "the band is empty (every key is masked)"
-    if m.hi - m.lo > NATIVE_MAX_WIDTH:
-        return f"the band is wider than {NATIVE_MAX_WIDTH} keys"
     if p.dtype != torch.float32:
         return f"it computes float32 only (inputs are {str(p.dtype).replace('torch.', '')})"
     if p.device.type not in ("cpu", "meta"):
         return f"it is a CPU kernel (tensors are on {p.device.type})"
     if p.Lq == 0 or p.Lk == 0:
         return "there are no queries or no keys"
+    lo, hi = band_edges(p)
+    if hi < lo:
+        return "the band is empty (every key is masked)"
+    if hi - lo > NATIVE_MAX_WIDTH:
+        return f"the band is wider than {NATIVE_MAX_WIDTH} keys"
     if not build or p.device.type == "meta":
         return native.disabled()
     if native.band_forward_op() is None:
@@ -214,9 +243,16 @@ def describe(job: Job) -> tuple[str, str]:
             fwd = f"torch's fused CPU flash kernel once per document ({n} calls)"
         return fwd, "torch's fused CPU flash backward on the same calls"
     if job.route == "native_band":
+        t = p.mask.terms
+        more = [
+            w
+            for w, x in (("each batch element's key range", t.keys), ("document ids", t.ids))
+            if x is not None
+        ]
         return (
             "qkv's compiled band kernel (C++, built once on first use): each query block "
-            "against only the keys its rows see",
+            "against only the keys its rows see"
+            + (f" ({' and '.join(more)} read in the kernel)" if more else ""),
             "qkv's compiled band kernel: recomputes each block from the lse; dq per block, "
             "dk/dv accumulated in place",
         )

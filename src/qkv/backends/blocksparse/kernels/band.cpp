@@ -1,4 +1,6 @@
-// qkv's CPU kernels for band masks (sliding windows): visible iff lo <= k - q <= hi.
+// qkv's CPU kernels for band masks (sliding windows): visible iff lo <= k - q <= hi, and
+// optionally (struct Extra) only keys in a per-batch range (padding) or in the query's own
+// document: a padding or document mask is the band of every key with one of these.
 // band_forward computes out and lse; band_backward the gradients from them (below).
 //
 // Built on first use by qkv/backends/blocksparse/native.py (torch.utils.cpp_extension) and registered
@@ -19,6 +21,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -132,9 +135,53 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
   return {mx, at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, acc)};
 }
 
+// What a batch element's rows may see besides the band (both optional): keys
+// [start[b], limit[b]) (a padding mask: int64 [B]), and keys of the row's own document
+// (ids[q] == ids[k]: int64 ids of every position). Range limits narrow each block's span;
+// ids mask single scores inside it.
+struct Extra {
+  const int64_t* start = nullptr;
+  const int64_t* limit = nullptr;
+  const int64_t* ids = nullptr;
+
+  int64_t first_key(int64_t b, int64_t Lk) const {
+    return start ? std::clamp<int64_t>(start[b], 0, Lk) : 0;
+  }
+  int64_t end_key(int64_t b, int64_t Lk) const {  // never before first_key
+    return limit ? std::clamp<int64_t>(limit[b], first_key(b, Lk), Lk) : Lk;
+  }
+  // s[j] = fill for j in [a, e) where key k0 + j is in another document than query row `row`
+  void mask_row(float* s, int64_t row, int64_t k0, int64_t a, int64_t e, float fill) const {
+    if (ids == nullptr) return;
+    const int64_t id = ids[row];
+    for (int64_t j = a; j < e; ++j) {
+      if (ids[k0 + j] != id) s[j] = fill;
+    }
+  }
+};
+
+const int64_t* optional_ints(const std::optional<at::Tensor>& t, int64_t min_size,
+                             const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kLong && t->device().is_cpu() && t->is_contiguous() &&
+                  t->dim() == 1 && t->size(0) >= min_size,
+              "band kernel: ", what, " must be a contiguous int64 CPU tensor of at least ",
+              min_size, " entries");
+  return t->const_data_ptr<int64_t>();
+}
+
+Extra extra_of(const std::optional<at::Tensor>& start, const std::optional<at::Tensor>& limit,
+               const std::optional<at::Tensor>& ids, int64_t B, int64_t Lq, int64_t Lk) {
+  return Extra{optional_ints(start, B, "kstart"), optional_ints(limit, B, "klimit"),
+               optional_ints(ids, std::max(Lq, Lk), "ids")};
+}
+
 std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, int64_t lo, int64_t hi,
-                                                double scale_d, int64_t block, int64_t chunk) {
+                                                double scale_d, int64_t block, int64_t chunk,
+                                                const std::optional<at::Tensor>& kstart,
+                                                const std::optional<at::Tensor>& klimit,
+                                                const std::optional<at::Tensor>& ids) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "band_forward: 4-D q, k, v");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat,
@@ -149,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hk && v.size(2) == Lk &&
                   k.size(3) == D && Hk > 0 && H % Hk == 0,
               "band_forward: shapes do not match");
+  const Extra ex = extra_of(kstart, klimit, ids, B, Lq, Lk);
   auto out = at::empty({B, H, Lq, Dv}, q.options());
   auto lse = at::empty({B, H, Lq}, q.options());
   if (B == 0 || H == 0 || Lq == 0) return {out, lse};
@@ -173,8 +221,9 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % nchunks, bh = task / nchunks, h = bh % H, b = bh / H;
       const int64_t cq0 = c * chunk * block, cq1 = std::min(Lq, cq0 + chunk * block);
-      const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, 0, Lk);
-      const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, 0, Lk);
+      const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
+      const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
+      const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
       const int64_t kv_head = b * Hk + h / G;
       const float* kbase = kd + kv_head * Lk * D;
       const float* vbase = vd + kv_head * Lk * Dv;
@@ -182,8 +231,8 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
       if (np > 0) transpose_panel(kbase + kc0 * D, np, D, D, panel.data(), np);
       for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
         const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
-        const int64_t k0 = std::clamp<int64_t>(q0 + lo, 0, Lk);
-        const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, 0, Lk);
+        const int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
+        const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
         const float* qp = qd + ((b * H + h) * Lq + q0) * D;
         float* op = od + ((b * H + h) * Lq + q0) * Dv;
         float* lp = ld + (b * H + h) * Lq + q0;
@@ -200,6 +249,7 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
           // row q0 + r sees keys [q0 + r + lo, q0 + r + hi], i.e. columns [a, e)
           const int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
           const int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+          ex.mask_row(scores.data() + r * n, q0 + r, k0, a, e, neg_inf);
           std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * n, n, a, e, scale);
         }
         // out [m, Dv] = p [m, n] · V[k0:k1] [n, Dv], then each row divided by its sum
@@ -237,7 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse_hi, const at::Tensor& lse_lo,
     const at::Tensor& dlse, int64_t lo, int64_t hi, double scale_d, int64_t block,
-    int64_t chunk) {
+    int64_t chunk, const std::optional<at::Tensor>& kstart,
+    const std::optional<at::Tensor>& klimit, const std::optional<at::Tensor>& ids) {
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout, &lse_hi, &lse_lo}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
                 "band_backward: contiguous float32 CPU tensors only");
@@ -247,6 +298,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
   const int64_t Hk = k.size(1), Lk = k.size(2), Dv = v.size(3);
   TORCH_CHECK(Hk > 0 && H % Hk == 0 && out.size(3) == Dv && dout.sizes() == out.sizes(),
               "band_backward: shapes do not match");
+  const Extra ex = extra_of(kstart, klimit, ids, B, Lq, Lk);
   const bool has_dlse = dlse.numel() > 0;
   TORCH_CHECK(!has_dlse || (dlse.scalar_type() == at::kFloat && dlse.is_contiguous() &&
                             dlse.numel() == B * H * Lq),
@@ -287,8 +339,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
       for (int64_t task = begin; task < end; ++task) {
         const int64_t c = phase + 2 * (task % nr), bk = task / nr, hk = bk % Hk, b = bk / Hk;
         const int64_t cq0 = c * run, cq1 = std::min(Lq, cq0 + run);
-        const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, 0, Lk);
-        const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, 0, Lk);
+        const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
+        const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
+        const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
         const int64_t np = kc1 - kc0;
         const float* kbase = kd + (b * Hk + hk) * Lk * D;
         const float* vbase = vd + (b * Hk + hk) * Lk * Dv;
@@ -302,8 +355,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
           const int64_t h = hk * G + g, bh = b * H + h;
           for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
             const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
-            const int64_t k0 = std::clamp<int64_t>(q0 + lo, 0, Lk);
-            const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, 0, Lk);
+            const int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
+            const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
             float* dqp = dqd + (bh * Lq + q0) * D;
             if (k1 <= k0) {
               std::fill(dqp, dqp + m * D, 0.f);
@@ -336,6 +389,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                 const float nan = std::numeric_limits<float>::quiet_NaN();  // exp_u20's)
                 std::fill(pr + a, pr + e, nan);
                 std::fill(dr + a, dr + e, nan);
+                ex.mask_row(pr, q0 + r, k0, a, e, 0.f);  // (other documents' keys stay 0)
+                ex.mask_row(dr, q0 + r, k0, a, e, 0.f);
                 continue;
               }
               const Vec vscale(scale), vlh(lh), vll(ll), vd(dsum);
@@ -352,6 +407,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                 pv.store(pr + i, c);
                 ((Vec::loadu(dr + i, c) - vd) * pv * vscale).store(dr + i, c);
               }
+              ex.mask_row(pr, q0 + r, k0, a, e, 0.f);  // keys of other documents: no weight
+              ex.mask_row(dr, q0 + r, k0, a, e, 0.f);
             }
             // dq = scale·dS·K  (dS already carries the scale)
             at::native::cpublas::brgemm(m, D, n, n, D, D, false, ds.data(), kbase + k0 * D,
@@ -377,11 +434,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
 TORCH_LIBRARY(qkv_native, m) {
   m.def(
       "band_forward(Tensor q, Tensor k, Tensor v, int lo, int hi, float scale, int block, "
-      "int chunk) -> (Tensor, Tensor)");
+      "int chunk, Tensor? kstart=None, Tensor? klimit=None, Tensor? ids=None) -> (Tensor, Tensor)");
   m.def(
       "band_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse_hi, "
-      "Tensor lse_lo, Tensor dlse, int lo, int hi, float scale, int block, int chunk) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor lse_lo, Tensor dlse, int lo, int hi, float scale, int block, int chunk, "
+      "Tensor? kstart=None, Tensor? klimit=None, Tensor? ids=None) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(qkv_native, CPU, m) {
