@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ._core.lru import LRU
 from .masks import causal, padding, sliding_window
 
 Tensor = torch.Tensor
@@ -31,9 +32,8 @@ Tensor = torch.Tensor
 # 0.12 at 1024 x 1024, once per mask tensor (benchmarks/torch_sdpa.py; RESULTS.md, 2026-12-04).
 MIN_POSITIONS = 1 << 16
 
-_CACHE_SIZE = 32
 # (id(attn_mask), how it was used) -> (weak reference, version, what it was recognised as)
-_cache: dict[tuple[int, tuple[Any, ...]], tuple[weakref.ref[Tensor], int, Any]] = {}
+_cache: LRU[tuple[int, tuple[Any, ...]], tuple[weakref.ref[Tensor], int, Any]] = LRU(32)
 _lock = threading.Lock()
 
 
@@ -84,9 +84,7 @@ def _cached(source: Tensor, how: tuple[Any, ...], read: Any) -> Any:
         return hit[2]
     got = read()
     with _lock:
-        if len(_cache) >= _CACHE_SIZE:
-            _cache.pop(next(iter(_cache)))  # the oldest entry
-        _cache[key] = (weakref.ref(source), source._version, got)
+        _cache.put(key, (weakref.ref(source), source._version, got))
     return got
 
 

@@ -24,6 +24,7 @@ import torch
 
 from ._core.checks import as_4d, broadcastable
 from ._core.kinds import MaskKind, classify_mask
+from ._core.lru import LRU
 from ._core.tiles import DEFAULT_BLOCK, EMPTY, FULL, PARTIAL, Grid, classify
 from ._flex.compat import adopt_mask
 
@@ -80,7 +81,7 @@ class BlockMask:
         self._rows: list[_Row] | None = None
         # The block-sparse engine's schedules of this plan, by their parameters: a block mask
         # reused across calls and layers is scheduled once (backends/blocksparse/schedule.py).
-        self.schedules: dict[tuple[Any, ...], Any] = {}
+        self.schedules: LRU[tuple[Any, ...], Any] = LRU(16)
 
     # -- what the planner and the engine read --------------------------------------------
 

@@ -86,13 +86,14 @@ def _make_piece(
 def schedule(bm: BlockMask, max_span: int, group_b: int, row_elems: int) -> Schedule:
     """Pieces (and band groups of ``group_b`` blocks, if not 0) of a block mask, cached on
     it: a block mask reused across calls and layers is scheduled once."""
-    cache = bm.schedules
     key = (max_span, group_b, row_elems)
-    if key not in cache:
+    got: Schedule | None = bm.schedules.get(key)
+    if got is None:
         rows = pieces(bm, max_span)
         groups = _band_groups(rows, group_b, row_elems) if group_b else []
-        cache[key] = Schedule(_merge_ends(rows) if group_b else rows, groups)
-    return cache[key]
+        got = Schedule(_merge_ends(rows) if group_b else rows, groups)
+        bm.schedules.put(key, got)
+    return got
 
 
 def band_schedule(lo: int | None, hi: int | None, p: Problem, b: int) -> Schedule:
@@ -112,13 +113,14 @@ def key_schedule(bm: BlockMask, max_span: int, b: int, row_elems: int) -> Schedu
     """The backward's schedule of a band block mask with square ``b`` tiles: key-major groups
     (see :class:`KeyBandGroup`) where the band's columns repeat, pieces for the tiles of the
     other key blocks (the band's ends). Cached on the block mask."""
-    cache = bm.schedules
     key = ("keys", max_span, b, row_elems)
-    if key not in cache:
+    got: Schedule | None = bm.schedules.get(key)
+    if got is None:
         groups = _key_groups(bm, b, row_elems)
         covered = frozenset(j for g in groups for j in range(g.j0, g.j0 + g.n))
-        cache[key] = Schedule(_merge_ends(pieces(bm, max_span, covered)), [], groups)
-    return cache[key]
+        got = Schedule(_merge_ends(pieces(bm, max_span, covered)), [], groups)
+        bm.schedules.put(key, got)
+    return got
 
 
 def _merge_ends(rows: list[list[Piece]]) -> list[list[Piece]]:

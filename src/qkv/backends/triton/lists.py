@@ -145,7 +145,7 @@ def block_mask_at(
             got = given.schedules.get(key)
             if got is None:
                 got = _refined(given, block_size)
-                given.schedules[key] = got
+                given.schedules.put(key, got)
             return got
     return _planned(m, shape, block_size, device)
 
@@ -198,7 +198,7 @@ def tile_lists(
     got = bm.schedules.get(key)
     if got is None:
         got = _lists(bm, m, spec, shape, device)
-        bm.schedules[key] = got
+        bm.schedules.put(key, got)
     return got
 
 
