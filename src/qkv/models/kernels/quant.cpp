@@ -81,30 +81,28 @@ constexpr int L = Vec::size(), W = QK / L;
 #if defined(QKV_AVX512)
 template <int64_t T>
 inline void block(const uint8_t* b, Vec* w) {
-  const __m512 d = _mm512_set1_ps(half_at(b));
   if constexpr (T == Q8_0) {
+    const __m512 d = _mm512_set1_ps(half_at(b));
     for (int h = 0; h < 2; ++h) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * h));
       w[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     }
   } else {
+    // The block's 16 possible weights, d * v + m (Q4_1) or d * (v - 8) (Q4_0) for v = 0..15,
+    // each rounded as gguf rounds it, then looked up by nibble (vpermps reads the low 4 bits
+    // of each index): fewer instructions than converting and scaling all 32.
     const int off = T == Q4_1 ? 4 : 2;
+    const __m512 v = T == Q4_1 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                               : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    // d and m (Q4_1) in every lane from one 4-byte broadcast: [d, m, d, m, ...] shuffled
+    int32_t pair;
+    std::memcpy(&pair, b, 4);
+    const __m512 dm = _mm512_cvtph_ps(_mm256_set1_epi32(pair));
+    __m512 table = _mm512_mul_ps(_mm512_permute_ps(dm, 0x00), v);
+    if constexpr (T == Q4_1) table = _mm512_add_ps(table, _mm512_permute_ps(dm, 0x55));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off)));
-    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
-    __m512i hi = _mm512_srli_epi32(q, 4);
-    if constexpr (T == Q4_0) {
-      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-    }
-    __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-    __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
-    if constexpr (T == Q4_1) {
-      const __m512 m = _mm512_set1_ps(half_at(b + 2));
-      w0 = _mm512_add_ps(w0, m);
-      w1 = _mm512_add_ps(w1, m);
-    }
-    w[0] = w0;
-    w[1] = w1;
+    w[0] = _mm512_permutexvar_ps(q, table);                        // low nibbles: weights 0-15
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);  // high: weights 16-31
   }
 }
 
@@ -168,31 +166,44 @@ static_assert(L * W == QK, "a block is W vectors of L floats");
 
 // ------------------------------------------------------------------------ the kernels
 
+// One block's products into acc[r][c] for R rows of x (x row stride K, at the block).
+template <int64_t T, int R, int C>
+inline void add_block(const uint8_t* b, const float* x, int64_t K, Vec (*acc)[C]) {
+  Vec w[W];
+  block<T>(b, w);
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < W; ++h) acc[r][h % C] = at::vec::fmadd(w[h], Vec::loadu(x + r * K + h * L), acc[r][h % C]);
+  }
+}
+
 // out[r, n] = sum_k x[r, k] * w[n, k] for R rows of x (x row stride K) and output rows
-// [n0, n1): each block is decoded once and used by all R rows. Two accumulators per row
-// (alternating blocks) keep two FMA chains in flight.
+// [n0, n1): each block is decoded once and used by all R rows. Accumulators alternating
+// between blocks keep FMA chains in flight.
 template <int64_t T, int R>
 void rows_times_blocks(const float* x, int64_t K, const uint8_t* wq, int64_t row_bytes,
                        int64_t n0, int64_t n1, float* out, int64_t N) {
+  // One row (decoding) keeps a chain per vector of the block too (2 x W chains: a block's W
+  // FMAs into one accumulator waited on each other, ~4 cycles each); more rows share theirs,
+  // so that the accumulators stay in registers.
+  constexpr int C = R == 1 ? W : 1;
   const int64_t nb = K / QK, bb = block_bytes(T);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = wq + n * row_bytes;
     prefetch_row(row, row_bytes);
-    Vec acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
-    for (int64_t j = 0; j < nb; ++j) {
-      Vec w[W];
-      block<T>(row + j * bb, w);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + j * QK;
-        Vec a = acc[r][j & 1];
-        for (int h = 0; h < W; ++h) a = at::vec::fmadd(w[h], Vec::loadu(xr + h * L), a);
-        acc[r][j & 1] = a;
-      }
-    }
+    Vec even[R][C], odd[R][C];  // (two arrays, not one indexed by j & 1: kept in registers)
     for (int r = 0; r < R; ++r) {
-      out[r * N + n] = at::vec::vec_reduce_all<float>(
-          [](Vec& u, Vec& v) { return u + v; }, acc[r][0] + acc[r][1]);
+      for (int c = 0; c < C; ++c) even[r][c] = odd[r][c] = Vec(0.f);
+    }
+    int64_t j = 0;
+    for (; j + 1 < nb; j += 2) {
+      add_block<T, R, C>(row + j * bb, x + j * QK, K, even);
+      add_block<T, R, C>(row + (j + 1) * bb, x + (j + 1) * QK, K, odd);
+    }
+    if (j < nb) add_block<T, R, C>(row + j * bb, x + j * QK, K, even);
+    for (int r = 0; r < R; ++r) {
+      Vec total = even[r][0] + odd[r][0];
+      for (int c = 1; c < C; ++c) total = total + (even[r][c] + odd[r][c]);
+      out[r * N + n] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, total);
     }
   }
 }
