@@ -109,6 +109,28 @@ def test_construction_errors(make, err, match):
         make()
 
 
+def test_padding_reads_lengths_once_until_they_are_edited(monkeypatch):
+    """A padding mask made in every forward from the same lengths checks their values once
+    (a read costs a few us beside a small call); an in-place edit is checked again."""
+    reads = []
+    real_min = torch.Tensor.min
+
+    def counted(self, *args, **kw):
+        reads.append(1)
+        return real_min(self, *args, **kw)
+
+    lengths = torch.tensor([3, 1])
+    monkeypatch.setattr(torch.Tensor, "min", counted)
+    for _ in range(3):
+        qkv.padding(lengths)
+    assert len(reads) == 1
+    lengths[1] = -2
+    with pytest.raises(ValueError, match=r"got \[3, -2\]"):
+        qkv.padding(lengths)
+    with pytest.raises(ValueError, match=r"got \[3, -2\]"):  # and not kept as checked
+        qkv.padding(lengths)
+
+
 def scores_after(mod, Lq=4, Lk=6, H=2):
     b, h, qi, ki = index_tensors(1, H, Lq, Lk)
     s = torch.randn(1, H, Lq, Lk, generator=torch.Generator().manual_seed(0))

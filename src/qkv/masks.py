@@ -16,6 +16,7 @@ evaluating n² positions, and combinations reach the kernel of the mask they equ
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from ._core.builtin_mods import CAUSAL, Band, Document, KvBelow, Prefix
 from ._core.checks import callable_name
 from ._core.combinations import And, Or
+from ._core.lru import LRU
 
 Tensor = torch.Tensor
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -126,8 +128,23 @@ def _check_counts(what: str, t: object) -> None:
     if torch.compiler.is_compiling():
         # a value check would break the graph: checked when the graph runs instead
         torch._assert_async((t >= 0).all(), f"{what} must be >= 0")
-    elif t.numel() and int(t.min()) < 0:
+        return
+    if _checked_before(t):
+        return
+    if t.numel() and int(t.min()) < 0:
         raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
+    if not t.is_inference():  # (no version counter to tell an edit)
+        _CHECKED.put(id(t), (weakref.ref(t), t._version))
+
+
+# Counts checked already, unedited since (a mask made in every forward from the same lengths
+# reads them once, not at every call: the read costs a few us beside a small call's ~100).
+_CHECKED: LRU[int, tuple[weakref.ref[Tensor], int]] = LRU(64)
+
+
+def _checked_before(t: Tensor) -> bool:
+    got = _CHECKED.get(id(t))
+    return got is not None and got[0]() is t and not t.is_inference() and got[1] == t._version
 
 
 def document(ids: Tensor) -> MaskMod:
