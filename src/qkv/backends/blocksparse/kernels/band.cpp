@@ -137,12 +137,42 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
 
 // What a batch element's rows may see besides the band (both optional): keys
 // [start[b], limit[b]) (a padding mask: int64 [B]), and keys of the row's own document
-// (ids[q] == ids[k]: int64 ids of every position). Range limits narrow each block's span;
-// ids mask single scores inside it.
+// (ids[q] == ids[k]: int64 ids of every position). Range limits narrow each block's span.
+// Sorted ids are runs: each block's span and each row's columns narrow to its documents'
+// keys (run_lo, run_hi); unsorted ids mask single scores inside the span instead.
 struct Extra {
   const int64_t* start = nullptr;
   const int64_t* limit = nullptr;
   const int64_t* ids = nullptr;
+  std::vector<int64_t> run_lo, run_hi;  // sorted ids: position i's document is [lo, hi)
+
+  void find_runs(int64_t n) {
+    if (ids == nullptr || n == 0) return;
+    for (int64_t i = 1; i < n; ++i) {
+      if (ids[i] < ids[i - 1]) return;  // not sorted: scores are masked one by one
+    }
+    run_lo.resize(n);
+    run_hi.resize(n);
+    for (int64_t i = 0; i < n;) {
+      int64_t j = i;
+      while (j < n && ids[j] == ids[i]) ++j;
+      std::fill(run_lo.begin() + i, run_lo.begin() + j, i);
+      std::fill(run_hi.begin() + i, run_hi.begin() + j, j);
+      i = j;
+    }
+  }
+  // [k0, k1) narrowed to the keys of the documents of query rows [r0, r1) (sorted ids)
+  void narrow(int64_t r0, int64_t r1, int64_t& k0, int64_t& k1) const {
+    if (run_lo.empty()) return;
+    k0 = std::max(k0, run_lo[r0]);
+    k1 = std::min(k1, run_hi[r1 - 1]);
+  }
+  // a row's columns [a, e) of a block whose keys start at k0, narrowed the same way
+  void narrow_row(int64_t row, int64_t k0, int64_t& a, int64_t& e) const {
+    if (run_lo.empty()) return;
+    a = std::clamp<int64_t>(run_lo[row] - k0, a, e);  // a <= e stays true
+    e = std::clamp<int64_t>(run_hi[row] - k0, a, e);
+  }
 
   int64_t first_key(int64_t b, int64_t Lk) const {
     return start ? std::clamp<int64_t>(start[b], 0, Lk) : 0;
@@ -152,7 +182,7 @@ struct Extra {
   }
   // s[j] = fill for j in [a, e) where key k0 + j is in another document than query row `row`
   void mask_row(float* s, int64_t row, int64_t k0, int64_t a, int64_t e, float fill) const {
-    if (ids == nullptr) return;
+    if (ids == nullptr || !run_lo.empty()) return;
     const int64_t id = ids[row];
     for (int64_t j = a; j < e; ++j) {
       if (ids[k0 + j] != id) s[j] = fill;
@@ -172,8 +202,10 @@ const int64_t* optional_ints(const std::optional<at::Tensor>& t, int64_t min_siz
 
 Extra extra_of(const std::optional<at::Tensor>& start, const std::optional<at::Tensor>& limit,
                const std::optional<at::Tensor>& ids, int64_t B, int64_t Lq, int64_t Lk) {
-  return Extra{optional_ints(start, B, "kstart"), optional_ints(limit, B, "klimit"),
-               optional_ints(ids, std::max(Lq, Lk), "ids")};
+  Extra ex{optional_ints(start, B, "kstart"), optional_ints(limit, B, "klimit"),
+           optional_ints(ids, std::max(Lq, Lk), "ids")};
+  ex.find_runs(std::max(Lq, Lk));
+  return ex;
 }
 
 std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::Tensor& k,
@@ -222,8 +254,9 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
       const int64_t c = task % nchunks, bh = task / nchunks, h = bh % H, b = bh / H;
       const int64_t cq0 = c * chunk * block, cq1 = std::min(Lq, cq0 + chunk * block);
       const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
-      const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
-      const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
+      int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
+      int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
+      ex.narrow(cq0, cq1, kc0, kc1);
       const int64_t kv_head = b * Hk + h / G;
       const float* kbase = kd + kv_head * Lk * D;
       const float* vbase = vd + kv_head * Lk * Dv;
@@ -231,8 +264,9 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
       if (np > 0) transpose_panel(kbase + kc0 * D, np, D, D, panel.data(), np);
       for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
         const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
-        const int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
-        const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
+        int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
+        int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
+        ex.narrow(q0, q1, k0, k1);
         const float* qp = qd + ((b * H + h) * Lq + q0) * D;
         float* op = od + ((b * H + h) * Lq + q0) * Dv;
         float* lp = ld + (b * H + h) * Lq + q0;
@@ -247,8 +281,9 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
                                     scores.data(), false);
         for (int64_t r = 0; r < m; ++r) {
           // row q0 + r sees keys [q0 + r + lo, q0 + r + hi], i.e. columns [a, e)
-          const int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
-          const int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+          int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
+          int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+          ex.narrow_row(q0 + r, k0, a, e);
           ex.mask_row(scores.data() + r * n, q0 + r, k0, a, e, neg_inf);
           std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * n, n, a, e, scale);
         }
@@ -340,8 +375,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
         const int64_t c = phase + 2 * (task % nr), bk = task / nr, hk = bk % Hk, b = bk / Hk;
         const int64_t cq0 = c * run, cq1 = std::min(Lq, cq0 + run);
         const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
-        const int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
-        const int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
+        int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
+        int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
+        ex.narrow(cq0, cq1, kc0, kc1);
         const int64_t np = kc1 - kc0;
         const float* kbase = kd + (b * Hk + hk) * Lk * D;
         const float* vbase = vd + (b * Hk + hk) * Lk * Dv;
@@ -355,8 +391,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
           const int64_t h = hk * G + g, bh = b * H + h;
           for (int64_t q0 = cq0; q0 < cq1; q0 += block) {
             const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
-            const int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
-            const int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
+            int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
+            int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
+            ex.narrow(q0, q1, k0, k1);
             float* dqp = dqd + (bh * Lq + q0) * D;
             if (k1 <= k0) {
               std::fill(dqp, dqp + m * D, 0.f);
@@ -372,8 +409,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                                         vt.data() + (k0 - kc0), ds.data(), false);
             for (int64_t r = 0; r < m; ++r) {
               const int64_t row = bh * Lq + q0 + r;
-              const int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
-              const int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+              int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
+              int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
+              ex.narrow_row(q0 + r, k0, a, e);
               float* pr = p.data() + r * n;
               float* dr = ds.data() + r * n;
               float dsum = at::vec::map2_reduce_all<float>(
