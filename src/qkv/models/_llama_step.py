@@ -1,25 +1,30 @@
 """One decoding step of :class:`~qkv.models.LlamaDecoder` with its Python cut down.
 
-Decoding SmolLM2-135M at one thread, a token is ~200 small operator calls around 211 linear
-products: ~5 ms of a ~17 ms token went to module calls, their checks, RMSNorm's composite and
-RoPE (benchmarks/RESULTS.md). :func:`step` computes what ``decoder(ids [B, 1], caches=caches,
-last_only=True)`` computes for one new token per row, on the same qkv caches (filled by a
-forward over the prompt first) and :func:`qkv.attention` on them, with:
+Decoding SmolLM2-135M at one thread, a token is ~400 module calls and ~200 small operators
+around 211 linear products: ~5 ms of a ~17 ms token went to module calls, their checks,
+RoPE and the attention module's bookkeeping (benchmarks/RESULTS.md). A :class:`Stepper`
+computes what ``decoder(ids [B, 1], caches=caches, last_only=True)`` computes for one new
+token per row, on the same qkv caches (filled by a forward over the prompt first) and
+:func:`qkv.attention` on them, with:
 
 - the layers' norms, RoPE and linears called directly (``F.rms_norm``, the decoder's own
-  :class:`qkv.RotaryEmbedding`, ``forward`` of each linear): no module calls;
+  :class:`qkv.RotaryEmbedding` on q and k at once, each linear as the kernel call or
+  ``F.linear`` it would make): no module calls;
 - each layer's ``q/k/v`` projections as one product, and ``gate/up`` as one, where they are
-  :class:`~qkv.models.quantized.QuantizedLinear` of one format: their blocks are stacked
-  once (the modules then hold row views of the stack, so no memory is doubled). Each output
-  of the kernel is its own dot product over its weight row, so a stacked product equals the
-  separate ones bit for bit;
+  :class:`~qkv.models.quantized.QuantizedLinear` of one format and arithmetic: their blocks
+  are stacked once (the modules then hold row views of the stack, so no memory is doubled).
+  Each output of the kernel is its own dot product over its weight row (and an input row is
+  quantised the same way whichever rows follow), so a stacked product equals the separate
+  ones bit for bit;
 - the new key and value written into the cache buffers in place, and one query (the last
   position, which ``qkv.causal`` lets see every cached key) attending to them.
 
-It runs only where it stands in exactly (:func:`can_step`): inference (no autograd), not
-training, no module or global hooks (``qkv.inspect.record`` hooks the attention modules; a
-recorded run takes the modules, so that every call is seen), plain :class:`qkv.KVCache`
-caches all holding the same tokens with room for one more, and no left padding.
+The logits equal the forward's bit for bit (``tests/test_decoder_step.py``). The decoding
+loop (``_generate.decode_tokens``) makes one stepper per run and takes it where
+:meth:`Stepper.can_step`: inference (no autograd), not training, no module or global hooks
+(``qkv.inspect.record`` hooks the attention modules; a recorded run takes the modules, so
+that every call is seen), plain :class:`qkv.KVCache` caches all holding the same tokens with
+room for one more, at most ``quantized.MAX_ROWS`` rows, and no left padding.
 """
 
 from __future__ import annotations
