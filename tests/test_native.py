@@ -289,10 +289,27 @@ def test_padding_and_documents_in_the_kernel_match_the_oracle(shape):
 
 
 @needs_compiler
-def test_padding_and_documents_take_the_kernel_only_small_and_without_gradients():
-    """Auto sends a small padding or document mask to the kernel (faster than SDPA on the
-    dense mask, measured), keeps SDPA where gradients are needed (its fused backward is
-    faster there) and the engine's tile plans past 2^20 scores."""
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+def test_long_padding_in_the_kernel_matches_the_oracle(layout):
+    """Past 2^20 scores a padding mask (alone, left, or causal) still takes the kernel
+    without gradients: out and lse against the float64 oracle at n = 1025, GQA."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (lay_out(t, layout) for t in _qkv(2, 4, 2, 1025, 1025, 64, 64, seed=gen))
+    lengths = torch.tensor([1025, 700])
+    for mask in (
+        qkv.padding(lengths),
+        qkv.padding(torch.tensor([600, 0]), start=torch.tensor([300, 5])),
+        qkv.and_masks(qkv.causal, qkv.padding(lengths)),
+    ):
+        assert _job(q, k, v, mask).native_band is not None
+        assert_matches_oracle(compare_to_oracle(with_lse, q, k, v, mask=mask, grads=False))
+
+
+@needs_compiler
+def test_padding_and_documents_take_the_kernel_without_gradients():
+    """Auto sends a padding or a small document mask to the kernel (faster than SDPA on the
+    dense mask and than the tile plans, measured), keeps SDPA where gradients are needed (its
+    fused backward is faster there) and the tile plans for documents past 2^20 scores."""
     q, k, v = _qkv(4, 4, 4, 48, 48, 32, 32)
     for mask in (qkv.padding(torch.tensor([40, 48, 30, 0])), qkv.document(torch.arange(48) // 16)):
         plan = qkv.plan(q, k, v, mask=mask)
@@ -303,7 +320,8 @@ def test_padding_and_documents_take_the_kernel_only_small_and_without_gradients(
         qg = q.detach().requires_grad_()
         assert qkv.plan(qg, k, v, mask=mask).backend == "sdpa"
     big = _qkv(1, 8, 8, 512, 512, 16, 16)
-    mask = qkv.padding(torch.tensor([300]))
+    assert _job(*big, qkv.padding(torch.tensor([300]))).native_band == (-511, 511)
+    mask = qkv.document(torch.arange(512) // 100)
     assert _job(*big, mask).native_band is None
     assert "compiled band kernel" not in str(qkv.plan(*big, mask=mask))
 

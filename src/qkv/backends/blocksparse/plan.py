@@ -44,8 +44,8 @@ def make_job(p: Problem, *, matmul: bool = False, dry_run: bool = False) -> Job:
     fused = fused_ok(p) is None and not matmul
     plain = fused and p.score.bias is None  # torch's fused kernel with no additive mask
     t = p.mask.terms
-    small_extra = t.keys is not None or t.ids is not None  # (native_band: small grids only)
-    if plain and p.Lk > 0 and not (small_extra and native_band(p, build=not dry_run) is None):
+    extra = t.keys is not None or t.ids is not None  # padding, documents: the kernel first
+    if plain and p.Lk > 0 and not (extra and native_band(p, build=not dry_run) is None):
         segments = _segments(p)
         if segments:
             return Job(call=p, route="segments", fused=True, segments=tuple(segments))
@@ -86,13 +86,14 @@ def native_band(p: Problem, *, build: bool = True) -> str | None:
             return "the mask is more than a band, a key range per batch element and documents"
         if m.block is not None:
             return "the mask came as a block mask: its tile plan runs"
-        # measured (benchmarks/RESULTS.md): faster than SDPA on the dense mask up to 2^20
-        # scores without gradients; past it every row's span is long (tile skipping wins),
-        # and with them the engine's autograd costs more than SDPA's fused backward
-        if not small_grid(p):
-            return "a padding or document mask over more than 2^20 scores"
+        # measured (benchmarks/RESULTS.md), without gradients: faster than SDPA on the dense
+        # mask, and than the tile plans at any size for padding (n = 512-2048: 0.6x); ids
+        # only up to 2^20 scores (unsorted ones are compared score by score over the whole
+        # band). With gradients the engine's autograd costs more than SDPA's fused backward.
         if p.requires_grad():
             return "a padding or document mask with gradients"
+        if t.ids is not None and not small_grid(p):
+            return "document ids over more than 2^20 scores"
     elif not m.is_band or m.lo is None or m.hi is None:
         return "the mask is not a band with both edges (a sliding window)"
     if p.dtype != torch.float32:
