@@ -57,22 +57,6 @@ namespace {
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 constexpr int64_t QK = 32;
 
-// Decoding streams each weight matrix from memory once per token (SmolLM2-135M: ~100 MB, far
-// beyond the caches), and one core's hardware prefetcher alone kept ~5 GB/s of it: the kernel
-// waited on memory. Asking for the bytes this far ahead of the row being multiplied doubled
-// the rate on a Xeon (benchmarks/RESULTS.md); past the matrix's end it is a no-op.
-constexpr int64_t PREFETCH_AHEAD = 4096;
-
-inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
-  const uint8_t* p = row + PREFETCH_AHEAD;
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-#else
-  (void)row;
-  (void)bytes;
-#endif
-}
-
 int64_t block_bytes(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return 18;
@@ -196,7 +180,7 @@ void rows_times_blocks(const Q8Row* a, int64_t nb, const uint8_t* wq, int64_t ro
   const int64_t off = T == Q4_1 ? 4 : 2;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = wq + n * row_bytes;
-    prefetch_row(row, row_bytes);
+    qkv_cpu::prefetch_row(row, row_bytes);
 #if defined(QKV_AVX512) || defined(QKV_AVX2)
     // Two accumulators per row (even and odd blocks), so that consecutive FMAs do not wait
     // on each other. The block's fp16 scales are read as one pair and multiplied by the
