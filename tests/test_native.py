@@ -306,6 +306,28 @@ def test_long_padding_in_the_kernel_matches_the_oracle(layout):
 
 
 @needs_compiler
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_a_nan_in_padding_and_documents_reaches_the_rows_the_oracle_says(where):
+    """A NaN query or key in the kernel's padding and document paths (sorted ids narrowed,
+    unsorted compared): NaN exactly where the formula has it, the rest equal."""
+    ids = torch.randint(0, 3, (48,), generator=torch.Generator().manual_seed(4))
+    for mask in (
+        qkv.padding(torch.tensor([30, 48])),
+        qkv.document(torch.arange(48) // 16),
+        qkv.document(ids),
+    ):
+        q, k, v = _qkv(2, 2, 2, 48, 48, 32, 32, seed=9)
+        (q if where == "q" else k)[1, 0, 20, 3] = float("nan")
+        assert _job(q, k, v, mask).native_band is not None
+        got, want = (
+            qkv.attention(q, k, v, mask=mask),
+            qkv.reference.attention(q, k, v, mask=mask)[0],
+        )
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).any()
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
+
+
+@needs_compiler
 def test_padding_and_documents_take_the_kernel_without_gradients():
     """Auto sends a padding or a small document mask to the kernel (faster than SDPA on the
     dense mask and than the tile plans, measured), keeps SDPA where gradients are needed (its
