@@ -129,8 +129,11 @@ def test_negative_scale_and_large_logits(scale):
 
     Compared over 16 draws rather than one: at logits of ~500 a float32 score is off by up to
     half an ulp (3e-5) whoever computes it, and which of two float32 computations lands nearer
-    the float64 oracle on one draw is luck (measured over 40 draws: median and largest errors
-    equal to plain PyTorch's, each side 2x+ better than the other on a few draws)."""
+    the float64 oracle on one draw is luck. So the median and the mean are compared, not the
+    largest error: over 200 draws the kernel's out errors (median / 90th percentile / largest)
+    were 1.49e-6 / 3.97e-6 / 9.09e-6 against plain PyTorch's 1.65e-6 / 4.21e-6 / 9.10e-6 (AVX2
+    build), but over eight blocks of 16 draws the ratio of the two largest errors ranged
+    0.24-4.71 (the mean's 0.38-1.85) under AVX2 and under AVX-512 alike."""
     errors: dict[str, tuple[list[float], list[float]]] = {"out": ([], []), "lse": ([], [])}
     for seed in range(16):
         q, k, v = make_qkv(Shape(1, 4, 2, 1, 500, 32), gen=seed)
@@ -142,7 +145,7 @@ def test_negative_scale_and_large_logits(scale):
     for name, (ours, plain) in errors.items():
         floor = ulp if name == "lse" else 1e-6
         assert statistics.median(ours) <= 2 * statistics.median(plain) + floor, name
-        assert max(ours) <= 2 * max(plain) + floor, name
+        assert statistics.fmean(ours) <= 2 * statistics.fmean(plain) + floor, name
 
 
 @needs_compiler
