@@ -64,6 +64,7 @@ SHAPES = [
     ((113, 1025), (64, 32), (2, 2), (300, 200)),  # Lq < Lk
     ((257, 257), (128, 128), (2, 2), (31, 33)),  # blocks and chunks do not divide
     ((96, 96), (16, 16), (1, 1), (1000, 0)),  # wider than the sequence
+    ((48, 48), (32, 64), (3, 1), (8, 3)),  # spans of <= 32 keys: small products, GQA, Dv != D
 ]
 
 

@@ -41,7 +41,6 @@ using Vec = at::vec::Vectorized<float>;
 // are all NaN (a NaN query) would keep its max at -inf and look like a row that sees no key
 // (output 0) instead of giving NaN, as the formula does.
 inline float nan_max(float a, float b) { return (std::isnan(a) || a >= b) ? a : b; }
-inline float nan_min(float a, float b) { return (std::isnan(a) || a <= b) ? a : b; }
 
 // The GGUF kernels' weight rows: decoding streams each weight matrix from memory once per
 // token (SmolLM2-135M: ~100 MB, far beyond the caches), and one core's hardware prefetcher

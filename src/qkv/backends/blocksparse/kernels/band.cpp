@@ -12,7 +12,8 @@
 // packed again for every tile, and its output must then be copied into place. Here each task
 // (one head, a run of `chunk` query blocks) transposes its keys once into a Kᵀ panel, every
 // query block multiplies against its slice of that panel with oneDNN's batch-reduce GEMM
-// (no packing), and P·V is written straight into the output. Each query block sees only the
+// (no packing; a span of at most 32 keys with small_gemm below, cheaper than a library call at
+// that size), and P·V is written straight into the output. Each query block sees only the
 // keys its rows can see (M + hi - lo columns), and only the two triangles at the ends of that
 // span are masked. One pass per block: the span is short, so no online rescaling is needed.
 
@@ -70,6 +71,58 @@ void transpose_panel(const float* src, int64_t rows, int64_t cols, int64_t lds, 
   }
 }
 
+// c[r, 0:NV·V) = a[r, 0:K) · b[0:K, 0:NV·V) for rows r0 <= r < r0 + R (rows lda, ldb, ldc
+// apart): the products of a narrow band (a block of 16 rows against a span of a few dozen keys),
+// where a library GEMM's cost per call is much of the work. R rows at once, so that R·NV sums
+// are in flight (one row's NV chains of dependent FMAs would wait on their latency). Columns past
+// the caller's width are computed from whatever b holds there: the caller leaves room for them
+// in b and c and never reads them.
+template <int R, int NV>
+void small_rows(int64_t r0, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb,
+                float* c, int64_t ldc) {
+  constexpr int64_t V = Vec::size();
+  Vec acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = Vec(0.f);
+  const float* ar = a + r0 * lda;
+  for (int64_t p = 0; p < K; ++p) {
+    const float* br = b + p * ldb;
+    Vec y[NV];
+    for (int j = 0; j < NV; ++j) y[j] = Vec::loadu(br + j * V);
+    for (int i = 0; i < R; ++i) {
+      const Vec x(ar[i * lda + p]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(x, y[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j].store(c + (r0 + i) * ldc + j * V);
+}
+
+template <int NV>
+void small_gemm(int64_t m, int64_t K, const float* a, int64_t lda, const float* b, int64_t ldb,
+                float* c, int64_t ldc) {
+  constexpr int R = NV <= 2 ? 4 : NV <= 4 ? 2 : 1;  // R·NV sums within the vector registers
+  int64_t r = 0;
+  for (; r + R <= m; r += R) small_rows<R, NV>(r, K, a, lda, b, ldb, c, ldc);
+  for (; r < m; ++r) small_rows<1, NV>(r, K, a, lda, b, ldb, c, ldc);
+}
+
+// The widths small_gemm takes (in whole vectors), and the call for one of them.
+constexpr int64_t SMALL_VECS = 8;
+void small_product(int64_t vecs, int64_t m, int64_t K, const float* a, int64_t lda,
+                   const float* b, int64_t ldb, float* c, int64_t ldc) {
+  switch (vecs) {
+    case 1: return small_gemm<1>(m, K, a, lda, b, ldb, c, ldc);
+    case 2: return small_gemm<2>(m, K, a, lda, b, ldb, c, ldc);
+    case 3: return small_gemm<3>(m, K, a, lda, b, ldb, c, ldc);
+    case 4: return small_gemm<4>(m, K, a, lda, b, ldb, c, ldc);
+    case 5: return small_gemm<5>(m, K, a, lda, b, ldb, c, ldc);
+    case 6: return small_gemm<6>(m, K, a, lda, b, ldb, c, ldc);
+    case 7: return small_gemm<7>(m, K, a, lda, b, ldb, c, ldc);
+    default: return small_gemm<8>(m, K, a, lda, b, ldb, c, ldc);
+  }
+}
+
 // One row of raw scores s[0, n): keep columns [a, e) as exp(s * scale - max), zero the rest.
 // Returns (max, sum) of the scaled row; (-inf, 0) when the row sees no key.
 std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, float scale) {
@@ -84,29 +137,25 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
   const int64_t len = e - a;
   const int64_t vlen = len - len % Vec::size();
   // max(s * scale) is max(s) * scale for scale >= 0 and min(s) * scale otherwise
-  // (multiplying by a constant is monotonic in floating point too): one read-only pass.
-  Vec vhi(neg_inf), vlo(std::numeric_limits<float>::infinity());
+  // (multiplying by a constant is monotonic in floating point too): one read-only pass, one
+  // reduction across lanes (a row of a narrow band is one or two vectors: the reductions are
+  // much of its cost).
+  const bool up = scale >= 0.f;
+  const float start = up ? neg_inf : std::numeric_limits<float>::infinity();
+  const auto pick = [up](const Vec& u, const Vec& w) {
+    return up ? at::vec::maximum(u, w) : at::vec::minimum(u, w);
+  };
+  Vec vx(start);
   int64_t i = 0;
-  for (; i < vlen; i += Vec::size()) {
-    const Vec t = Vec::loadu(x + i);
-    vhi = at::vec::maximum(vhi, t);
-    vlo = at::vec::minimum(vlo, t);
-  }
-  float hi = at::vec::vec_reduce_all<float>(
-      [](Vec& u, Vec& w) { return at::vec::maximum(u, w); }, vhi);
-  float lo = at::vec::vec_reduce_all<float>(
-      [](Vec& u, Vec& w) { return at::vec::minimum(u, w); }, vlo);
+  for (; i < vlen; i += Vec::size()) vx = pick(vx, Vec::loadu(x + i));
   if (i < len) {  // the last len - vlen scores: one partial vector, not a scalar loop (a
     const int64_t c = len - i;  // row of 8 keys is all tail under AVX-512's 16 lanes)
-    const Vec t = Vec::loadu(x + i, c);
-    hi = qkv_cpu::nan_max(hi, at::vec::vec_reduce_all<float>(
-                                  [](Vec& u, Vec& w) { return at::vec::maximum(u, w); },
-                                  Vec::set(Vec(neg_inf), t, c)));
-    lo = qkv_cpu::nan_min(lo, at::vec::vec_reduce_all<float>(
-                                  [](Vec& u, Vec& w) { return at::vec::minimum(u, w); },
-                                  Vec::set(Vec(std::numeric_limits<float>::infinity()), t, c)));
+    vx = pick(vx, Vec::set(Vec(start), Vec::loadu(x + i, c), c));
   }
-  const float mx = (scale >= 0.f ? hi : lo) * scale;
+  // maximum/minimum propagate a NaN lane, and so does the reduction
+  const float ext = at::vec::vec_reduce_all<float>(
+      [&pick](Vec& u, Vec& w) { return pick(u, w); }, vx);
+  const float mx = ext * scale;
   if (std::isnan(mx) || mx == -neg_inf) {
     // A NaN score (a NaN query or key), or +inf (inf - inf in the softmax), makes the row NaN,
     // as in the formula. Said explicitly: exp_u20 clamps its input with min/max, which turn
@@ -247,9 +296,15 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
 
+  // a block whose span is at most SMALL_SPAN keys multiplies with small_gemm, and P·V too
+  // where Dv is whole vectors: a score row then takes whole vectors (lds), and the panel has
+  // room for the last row's reads past its keys. Past 32 keys oneDNN's GEMM was as fast or
+  // faster (a window of 32 at D=64: 1.19x its time with small_gemm up to 64 keys, AVX-512).
+  constexpr int64_t V = Vec::size(), SMALL_SPAN = 32;
+  const bool small_pv = Dv % V == 0 && Dv / V <= SMALL_VECS;
   at::parallel_for(0, B * H * nchunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(block * max_n), panel(D * max_panel), row_max(block),
-        row_sum(block);
+    std::vector<float> scores(block * (max_n + V)), panel(D * max_panel + SMALL_SPAN),
+        row_max(block), row_sum(block);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task % nchunks, bh = task / nchunks, h = bh % H, b = bh / H;
       const int64_t cq0 = c * chunk * block, cq1 = std::min(Lq, cq0 + chunk * block);
@@ -275,21 +330,31 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
           std::fill(lp, lp + m, neg_inf);
           continue;
         }
-        const int64_t n = k1 - k0;
+        const int64_t n = k1 - k0, vecs = (n + V - 1) / V;
+        const bool small = vecs * V <= SMALL_SPAN;
+        const int64_t lds = small ? vecs * V : n;  // a score row's stride
         // scores [m, n] = q_block [m, D] · Kᵀ[:, k0:k1] [D, n]
-        at::native::cpublas::brgemm(m, n, D, D, np, n, false, qp, panel.data() + (k0 - kc0),
-                                    scores.data(), false);
+        if (small) {
+          small_product(vecs, m, D, qp, D, panel.data() + (k0 - kc0), np, scores.data(), lds);
+        } else {
+          at::native::cpublas::brgemm(m, n, D, D, np, n, false, qp, panel.data() + (k0 - kc0),
+                                      scores.data(), false);
+        }
         for (int64_t r = 0; r < m; ++r) {
           // row q0 + r sees keys [q0 + r + lo, q0 + r + hi], i.e. columns [a, e)
           int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
           int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
           ex.narrow_row(q0 + r, k0, a, e);
-          ex.mask_row(scores.data() + r * n, q0 + r, k0, a, e, neg_inf);
-          std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * n, n, a, e, scale);
+          ex.mask_row(scores.data() + r * lds, q0 + r, k0, a, e, neg_inf);
+          std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * lds, n, a, e, scale);
         }
         // out [m, Dv] = p [m, n] · V[k0:k1] [n, Dv], then each row divided by its sum
-        at::native::cpublas::brgemm(m, Dv, n, n, Dv, Dv, false, scores.data(),
-                                    vbase + k0 * Dv, op, false);
+        if (small && small_pv) {
+          small_product(Dv / V, m, n, scores.data(), lds, vbase + k0 * Dv, Dv, op, Dv);
+        } else {
+          at::native::cpublas::brgemm(m, Dv, n, lds, Dv, Dv, false, scores.data(),
+                                      vbase + k0 * Dv, op, false);
+        }
         for (int64_t r = 0; r < m; ++r) {
           float* orow = op + r * Dv;
           if (row_sum[r] == 0.f) {
