@@ -271,7 +271,8 @@ def _tilt(s, b, h, qi, ki):
 # a 6 MiB dense limit: 2 rows, then 230 at a time). Each path runs in every layout; the
 # chunks' slower compiles run in three by default (a last-dim stride of 2, permuted storage,
 # and contiguous), the others in the extended run.
-_CHUNKS_DEFAULT = {"contiguous", "every_other", "permuted"}
+# contiguous chunks are test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator's
+_CHUNKS_DEFAULT = {"every_other", "permuted"}
 _PATHS = {
     "operator": ({"mask": qkv.document(torch.arange(BIG.Lq) * 3 // BIG.Lq)}, None),
     "band": ({"mask": qkv.sliding_window(40)}, None),

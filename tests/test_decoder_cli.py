@@ -79,11 +79,11 @@ def test_generate_streams_and_ends_with_the_speed_line(monkeypatch) -> None:
 
 
 def test_generate_chat_sampling_is_seeded() -> None:
+    """The console script's sampled text is the library's with the same seed (seeded sampling
+    repeating itself is the library's test; a second process here would add ~4 s)."""
     args = ("generate", "Name a fruit.", "--chat", "--temperature", "0.8", "--seed", "3")
     a = run_qkv(*args, "--max-new-tokens", "8", "--threads", "1")
-    b = run_qkv(*args, "--max-new-tokens", "8", "--threads", "1")
     assert a.returncode == 0, a.stderr
-    assert a.stdout.splitlines()[:-1] == b.stdout.splitlines()[:-1]
     m = SPEED.fullmatch(a.stdout.splitlines()[-1])
     assert m and int(m.group(1)) > 20  # the chat template's system turn is in the prompt
     want = smollm2().generate("Name a fruit.", chat=True, temperature=0.8, seed=3, max_new_tokens=8)

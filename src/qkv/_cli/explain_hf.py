@@ -36,11 +36,7 @@ class HFExplained:
     :meth:`maps`."""
 
     def __init__(self, path: str | None) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
-        import qkv.hf
-
-        if path:
+        if path:  # said before transformers is imported (seconds)
             folder = Path(path)
             if not folder.is_dir():
                 raise FileNotFoundError(
@@ -51,6 +47,10 @@ class HFExplained:
             from qkv.models import default_model_path
 
             folder = default_model_path()
+        from transformers import AutoModel, AutoTokenizer
+
+        import qkv.hf
+
         name = qkv.hf.register()
         self.model = AutoModel.from_pretrained(folder, attn_implementation=name).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
