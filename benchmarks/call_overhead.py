@@ -9,6 +9,11 @@ layer of a transformers model makes).
 
     .venv/bin/python benchmarks/call_overhead.py --rounds 7                 # 1 thread, 100 keys
     .venv/bin/python benchmarks/call_overhead.py --threads 2 --keys 32,100,400,1000,4000,16000
+
+``--training`` times a small training-shaped call instead (q, k, v [4, 4, 48, 32] that need
+gradients; forward alone, and forward + backward): ``qkv.attention`` (``backend="auto"``, which
+reads a bound on the logits every such call) against ``backend="sdpa"`` and against
+``F.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -42,12 +47,46 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5000, help="calls per round at 100 keys")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--keys", default="100", help="cached keys, comma-separated")
+    ap.add_argument("--training", action="store_true", help="a small call that needs gradients")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"machine: {describe()}; {args.threads} thread(s); {args.rounds} rounds")
+    if args.training:
+        training(args.rounds, args.calls // 5)
+        return
     for n in (int(x) for x in args.keys.split(",")):
         calls = max(20, args.calls * 100 // max(n, 100))  # ~the same time per round
         compare(n, args.rounds, calls)
+
+
+def training(rounds: int, calls: int) -> None:
+    q, k, v = (torch.randn(4, 4, 48, 32, requires_grad=True) for _ in range(3))
+
+    def step(f: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: f().sum().backward()
+
+    calls_of: dict[str, Callable[[], Any]] = {
+        "auto": lambda: attention(q, k, v),
+        "sdpa": lambda: attention(q, k, v, backend="sdpa"),
+        "F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+    }
+    print(f"q, k, v [4, 4, 48, 32] needing gradients ({calls} calls a round)")
+    print(f"  auto's plan: {qkv.plan(q, k, v).backend}")
+    for what, wrap in (("forward", lambda f: f), ("forward + backward", step)):
+        times: dict[str, list[float]] = {name: [] for name in calls_of}
+        for _ in range(rounds):
+            for name, f in calls_of.items():
+                times[name].append(per_call_us(wrap(f), calls))
+        m = {name: statistics.median(t) for name, t in times.items()}
+
+        def ratio(a: str, b: str, times: dict[str, list[float]] = times) -> float:
+            return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+        print(
+            f"  {what}: auto {m['auto']:.1f}, backend='sdpa' {m['sdpa']:.1f}, F.sdpa "
+            f"{m['F.sdpa']:.1f} us a call; auto / sdpa {ratio('auto', 'sdpa'):.2f}x, "
+            f"auto / F.sdpa {ratio('auto', 'F.sdpa'):.2f}x"
+        )
 
 
 def compare(n: int, rounds: int, calls: int) -> None:

@@ -15,6 +15,8 @@ import torch
 
 import qkv
 from catalogue import BACKENDS, LAYOUTS, Shape, lay_out, make_qkv
+from qkv.backends import base
+from qkv.backends.blocksparse import native as band_native
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
 # Shapes that reach each route: SDPA and the fused engine's mask-free segments (no mask,
@@ -160,3 +162,76 @@ def test_lse_is_float32_or_float64_for_float64_inputs(backend: str, dtype: torch
         pytest.skip(f"{backend} does not take {dtype}")
     _, lse = qkv.attention(q, k, v, mask=qkv.causal, return_lse=True, backend=backend)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+# ------------------------------------------------------------- the bound auto reads
+
+
+def _plain_bound(q: torch.Tensor, k: torch.Tensor) -> float:
+    """max over (b, query head h) of max_i |q[b, h, i]| * max_j |k[b, h // groups, j]|, in
+    float64, one row at a time."""
+    g = q.shape[1] // k.shape[1]
+    best = 0.0
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            qn = max(float(row.double().norm()) for row in q[b, h])
+            kn = max(float(row.double().norm()) for row in k[b, h // g])
+            best = max(best, qn * kn)
+    return best
+
+
+_needs_band_library = pytest.mark.skipif(
+    band_native.disabled() is not None, reason="no compiled kernels here"
+)
+
+
+@_needs_band_library
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
+def test_the_logit_bound_is_the_norm_product_on_every_layout(dtype, layout: str):
+    """Auto reads ``logit_bound`` on every call that needs gradients; the compiled one (one
+    call) and torch's operators (where the library is not built) both give the largest query
+    norm times the largest key norm of its kv head, in any memory layout, with GQA and head
+    dims no vector width divides."""
+    assert band_native.LIBRARY.ops() is not None
+    q, k, _ = make_qkv(Shape(2, 6, 2, 7, 13, 59), dtype=dtype, gen=11)
+    # scales that make any other pairing of heads or batch rows give a larger bound
+    q = q * torch.tensor([1.0, 6, 1, 1, 1, 1], dtype=dtype).view(1, 6, 1, 1)
+    q = lay_out(q * torch.tensor([1.0, 5], dtype=dtype).view(2, 1, 1, 1), layout)
+    k = k * torch.tensor([1.0, 3], dtype=dtype).view(1, 2, 1, 1)
+    k = lay_out(k * torch.tensor([5.0, 1], dtype=dtype).view(2, 1, 1, 1), layout)
+    want = _plain_bound(q, k) * 0.3
+    native = base.logit_bound(q, k, -0.3)
+    assert base._native_bound() is not None
+    base._NATIVE.clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # as where the library is not built
+            mp.setattr(band_native.LIBRARY, "ops_if_built", lambda: None)
+            fallback = base.logit_bound(q, k, -0.3)
+            assert base._native_bound() is None
+    finally:
+        base._NATIVE.clear()
+    rel = 1e-6 if dtype in (torch.float32, torch.float64) else 1e-2  # (torch's half norms)
+    assert native == pytest.approx(want, rel=1e-5), (native, want)
+    assert fallback == pytest.approx(want, rel=rel), (fallback, want)
+
+
+@_needs_band_library
+@pytest.mark.parametrize(
+    ("value", "want"), [(float("nan"), "nan"), (float("inf"), "inf"), (6e4, "finite")]
+)
+def test_the_logit_bound_says_nan_inf_and_no_half_overflow(value: float, want: str):
+    """A NaN anywhere in q makes the bound NaN and an infinity makes it inf (auto then keeps
+    away from SDPA's backward, as before); a float16 row whose squared norm passes float16's
+    range still gets a finite bound (summed in float32)."""
+    assert band_native.LIBRARY.ops() is not None
+    q, k, _ = make_qkv(Shape(1, 2, 1, 5, 5, 16), dtype=torch.float16, gen=12)
+    q[0, 1, 3, 2] = value
+    got = base.logit_bound(q, k, 0.25)
+    assert {"nan": math.isnan, "inf": math.isinf, "finite": math.isfinite}[want](got), got
+    if want == "finite":
+        assert got == pytest.approx(_plain_bound(q, k) * 0.25, rel=1e-3)
+    empty = q[:, :, :0]
+    assert base.logit_bound(empty, k, 0.25) == 0.0

@@ -196,11 +196,33 @@ def logit_bound(q: Tensor, k: Tensor, scale: float) -> float:
         return 0.0
     if torch.compiler.is_compiling():
         return 0.0
+    if q.device.type == "cpu" and k.device.type == "cpu" and q.dtype in _NATIVE_BOUND_DTYPES:
+        op = _native_bound()
+        if op is not None:  # (one call instead of eight operators: ~25 -> ~4 us when small)
+            return float(op(q, k)) * abs(scale)
     B, Hq, Hkv = q.shape[0], q.shape[1], k.shape[1]
     with torch.no_grad():  # (a half-precision norm that overflows says inf: huge, as it is)
         qn = torch.linalg.vector_norm(q, dim=-1).amax(-1).view(B, Hkv, Hq // Hkv)
         kn = torch.linalg.vector_norm(k, dim=-1).amax(-1).view(B, Hkv, 1)
         return float((qn * kn).amax()) * abs(scale)
+
+
+_NATIVE_BOUND_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NATIVE: dict[str, Any] = {}
+
+
+def _native_bound() -> Any | None:
+    """The band kernel library's ``logit_bound`` operator where that library is built already
+    (it is not built for this: a first build takes ~15-30 s), else ``None``."""
+    op = _NATIVE.get("op")
+    if op is None:
+        from .blocksparse.native import LIBRARY  # (here: the engine's package imports this one)
+
+        ops = LIBRARY.ops_if_built()
+        if ops is None:
+            return None
+        op = _NATIVE["op"] = ops.logit_bound.default
+    return op
 
 
 def imprecise_backward(p: Problem) -> str | None:

@@ -139,6 +139,23 @@ class NativeLibrary:
             return self._state["load_eager"]()
         return self._load()
 
+    def ops_if_built(self) -> Any | None:
+        """The library's namespace if it is loaded, or built already and loadable without a
+        build (looked for once per process); ``None`` otherwise: for a caller to whom the
+        library is a shortcut not worth a first build's ~15-30 s."""
+        got = self._state.get("ops")
+        if got is not None or switched_off() or torch.compiler.is_compiling():
+            return got
+        if "looked" not in self._state:
+            self._state["looked"] = True
+            try:
+                got = json.loads((self.cache_dir() / "stamp.json").read_text())
+                if got.get("stamp") == self.stamp() and Path(got["lib"]).is_file():
+                    return self._load()
+            except (OSError, ValueError, KeyError):  # no stamp yet: not built
+                pass
+        return None
+
     def _load(self) -> Any | None:
         if self.disabled() is not None:
             return None

@@ -39,7 +39,10 @@ def _fake_bwd(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tens
 
 LIBRARY = NativeLibrary(
     "qkv_native",
-    [Path(__file__).parent / "kernels" / "band.cpp"],
+    [
+        Path(__file__).parent / "kernels" / "band.cpp",
+        Path(__file__).parent / "kernels" / "bound.cpp",
+    ],
     what="CPU band kernel",
     fakes={"band_forward": _fake, "band_backward": _fake_bwd},
 )
