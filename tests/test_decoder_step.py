@@ -146,3 +146,41 @@ def test_the_decoding_loop_takes_the_step_only_where_it_stands_in(monkeypatch) -
         assert not can_step(dec, caches)
         dec.eval()
     assert not can_step(dec, caches)  # autograd on
+
+
+@needs_compiler
+@pytest.mark.parametrize("d", [1, 7, 59, 96, 576])
+def test_the_compiled_rms_norm_is_torchs_to_float32_rounding(d: int) -> None:
+    """The decoder's norms (``llama.RMSNorm``) run one compiled call on float32 CPU rows once
+    the GGUF library is built: equal to ``F.rms_norm`` within float32 rounding of the float64
+    formula, for widths no vector divides, several rows, a strided input and a NaN row (NaN,
+    as the formula); with gradients (or without the library) it is ``F.rms_norm`` itself."""
+    from qkv.models.llama import RMSNorm
+
+    assert quantized.kernel() is not None, quantized.LIBRARY.disabled()
+    norm = RMSNorm(d, eps=1e-5)
+    g = torch.Generator().manual_seed(d)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g))
+    x = (torch.randn(5, 2 * d, generator=g) * 3)[:, ::2]  # [5, d], stride 2 along d
+    x[3] = float("nan")
+    with torch.inference_mode():
+        got = norm(x)
+        plain = torch.nn.functional.rms_norm(x, [d], norm.weight, 1e-5)
+        x64, w64 = x.double(), norm.weight.double()
+        exact = x64 / torch.sqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * w64
+    assert got.isnan()[3].all() and not got[[0, 1, 2, 4]].isnan().any()
+    keep = [0, 1, 2, 4]
+    err = (got[keep].double() - exact[keep]).abs().max().item()
+    plain_err = (plain[keep].double() - exact[keep]).abs().max().item()
+    scale = exact[keep].abs().max().item()
+    assert err <= 2 * plain_err + 4e-7 * scale, (err, plain_err, scale)
+    ops = quantized.LIBRARY.ops_if_built()
+    assert ops is not None
+    assert torch.equal(got[keep], ops.rms_norm(x, norm.weight, 1e-5)[keep])  # the compiled call ran
+    xg = x[keep].clone().requires_grad_()
+    with torch.enable_grad():
+        y = norm(xg)  # gradients: torch's own, bit for bit
+    assert torch.equal(y, torch.nn.functional.rms_norm(xg, [d], norm.weight, 1e-5))
+    y.sum().backward()
+    assert xg.grad is not None and xg.grad.isfinite().all()

@@ -7,9 +7,9 @@ computes what ``decoder(ids [B, 1], caches=caches, last_only=True)`` computes fo
 token per row, on the same qkv caches (filled by a forward over the prompt first) and
 :func:`qkv.attention` on them, with:
 
-- the layers' norms, RoPE and linears called directly (``F.rms_norm``, the decoder's own
-  :class:`qkv.RotaryEmbedding` on q and k at once, each linear as the kernel call or
-  ``F.linear`` it would make): no module calls;
+- the layers' norms, RoPE and linears called directly (:func:`~qkv.models.llama.rms_norm`,
+  the decoder's own :class:`qkv.RotaryEmbedding` on q and k at once, each linear as the
+  kernel call or ``F.linear`` it would make): no module calls;
 - each layer's ``q/k/v`` projections as one product, and ``gate/up`` as one, where they are
   :class:`~qkv.models.quantized.QuantizedLinear` of one format and arithmetic: their blocks
   are stacked once (the modules then hold row views of the stack, so no memory is doubled).
@@ -38,6 +38,7 @@ from torch import nn
 
 from ..cache import KVCache
 from ..functional import attention
+from .llama import rms_norm
 from .quantized import FORMATS, MAX_ROWS, QuantizedLinear, kernel
 
 if TYPE_CHECKING:
@@ -128,8 +129,7 @@ def step(decoder: LlamaDecoder, ids: Tensor, caches: list[KVCache]) -> Tensor:
 
 
 def _norm(norm: nn.Module, x: Tensor) -> Tensor:
-    m = cast("nn.RMSNorm", norm)
-    return F.rms_norm(x, cast("list[int]", m.normalized_shape), m.weight, m.eps)
+    return rms_norm(cast("nn.RMSNorm", norm), x)  # (what the module's forward calls)
 
 
 def _product(lin: nn.Module) -> Any:

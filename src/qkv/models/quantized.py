@@ -78,11 +78,17 @@ LIBRARY = NativeLibrary(
         Path(__file__).parent / "kernels" / "quant.cpp",
         Path(__file__).parent / "kernels" / "quant_int.cpp",
         Path(__file__).parent / "kernels" / "quant_pairs.cpp",
+        Path(__file__).parent / "kernels" / "norm.cpp",
     ],
     what="CPU kernel for GGUF blocks",
     # the weights must round as gguf's numpy does (a product, then a sum): no fused d*q + m
     extra_cflags=["-ffp-contract=off"],
-    fakes={"linear": _fake_linear, "linear_q8": _fake_linear, "dequantize": _fake_dequantize},
+    fakes={
+        "linear": _fake_linear,
+        "linear_q8": _fake_linear,
+        "dequantize": _fake_dequantize,
+        "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+    },
 )
 
 
