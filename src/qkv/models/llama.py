@@ -43,10 +43,11 @@ class DecoderOutput(NamedTuple):
 
 class RMSNorm(nn.RMSNorm):
     """:class:`torch.nn.RMSNorm` whose float32 CPU inference rows go through one compiled
-    call (``kernels/norm.cpp``) where the GGUF kernels' library is built: decoding calls it
-    61 times a token, ~10 us each as torch's ~8 operators, ~2 us as one. Anything else
-    (gradients, other dtypes or devices, torch.compile, no library) is ``F.rms_norm``. The
-    one-token step calls :func:`rms_norm` too, so its logits stay the forward's bit for bit."""
+    call (``rms_norm`` in ``kernels/quant.cpp``) where the GGUF kernels' library is built:
+    decoding calls it 61 times a token, ~10 us each as torch's ~8 operators, ~2 us as one.
+    Anything else (gradients, other dtypes or devices, torch.compile, no library) is
+    ``F.rms_norm``. The one-token step calls :func:`rms_norm` too, so its logits stay the
+    forward's bit for bit."""
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(self, x)

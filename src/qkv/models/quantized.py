@@ -78,7 +78,6 @@ LIBRARY = NativeLibrary(
         Path(__file__).parent / "kernels" / "quant.cpp",
         Path(__file__).parent / "kernels" / "quant_int.cpp",
         Path(__file__).parent / "kernels" / "quant_pairs.cpp",
-        Path(__file__).parent / "kernels" / "norm.cpp",
     ],
     what="CPU kernel for GGUF blocks",
     # the weights must round as gguf's numpy does (a product, then a sum): no fused d*q + m
