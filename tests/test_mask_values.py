@@ -251,3 +251,36 @@ def test_a_new_mask_class_gets_decode_compile_and_the_triton_formula():
     assert not formula.bits and formula.pad is not None
     start, limit = formula.pad
     assert start.tolist() == [100, 100] and limit.tolist() == [300, 300]
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad_mode", "inference_mode"])
+def test_a_mod_that_writes_into_its_index_tensors_gets_new_ones(inference: bool):
+    """A small call's index tensors are kept between calls (qkv._core.evaluate.kept_grid); a
+    mask_mod or score_mod that writes into them in place must not change what the next call
+    sees: every call equals the plain formula on untouched indices."""
+    q, k, v = make_qkv(Shape(1, 2, 2, 6, 6, 8), gen=3)
+    idx = torch.arange(6)
+    want_mask = (idx[:, None] - idx[None, :]).abs() <= 1  # [Lq, Lk]
+    bias = (idx[:, None] - idx[None, :]).float() * 0.5
+
+    def band(b, h, q_idx, kv_idx):
+        out = (q_idx - kv_idx).abs() <= 1
+        kv_idx.add_(3)  # a careless mod: shifts the index tensor it was handed
+        return out
+
+    def relative(score, b, h, q_idx, kv_idx):
+        out = score + (q_idx - kv_idx) * 0.5
+        q_idx.mul_(2)
+        return out
+
+    ctx = torch.inference_mode() if inference else torch.no_grad()
+    with ctx:
+        for _ in range(3):
+            got = qkv.attention(q, k, v, mask=band, backend="sdpa")
+            ref = qkv.reference.attention(q, k, v, mask=want_mask)[0]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+            got = qkv.attention(q, k, v, score_mod=relative, backend="reference")
+            ref = qkv.reference.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[i, j])[
+                0
+            ]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
