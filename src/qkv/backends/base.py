@@ -198,8 +198,8 @@ def logit_bound(q: Tensor, k: Tensor, scale: float) -> float:
         return 0.0
     if q.device.type == "cpu" and k.device.type == "cpu" and q.dtype in _NATIVE_BOUND_DTYPES:
         op = _native_bound()
-        if op is not None:  # (one call instead of eight operators: ~25 -> ~4 us when small)
-            return float(op(q, k)) * abs(scale)
+        if op is not None:  # (one call instead of eight operators: ~25 -> ~7 us when small)
+            return op(q, k) * abs(scale)
     B, Hq, Hkv = q.shape[0], q.shape[1], k.shape[1]
     with torch.no_grad():  # (a half-precision norm that overflows says inf: huge, as it is)
         qn = torch.linalg.vector_norm(q, dim=-1).amax(-1).view(B, Hkv, Hq // Hkv)

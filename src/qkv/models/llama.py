@@ -54,8 +54,9 @@ class RMSNorm(nn.RMSNorm):
 
 
 def rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
-    """``norm(x)``: the compiled row norm where it applies (see :class:`RMSNorm`), else
-    ``F.rms_norm`` with ``norm``'s shape, weight and epsilon."""
+    """``norm(x)`` for ``x [..., d]`` (``d``: ``norm``'s width) -> ``[..., d]``: the compiled
+    row norm where it applies (see :class:`RMSNorm`), else ``F.rms_norm`` with ``norm``'s
+    shape, weight and epsilon."""
     w = norm.weight
     if (
         x.dtype == torch.float32

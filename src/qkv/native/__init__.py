@@ -148,12 +148,18 @@ class NativeLibrary:
             return got
         if "looked" not in self._state:
             self._state["looked"] = True
-            try:
-                got = json.loads((self.cache_dir() / "stamp.json").read_text())
-                if got.get("stamp") == self.stamp() and Path(got["lib"]).is_file():
-                    return self._load()
-            except (OSError, ValueError, KeyError):  # no stamp yet: not built
-                pass
+            if self._built_lib() is not None:
+                return self._load()
+        return None
+
+    def _built_lib(self) -> str | None:
+        """The path of the library built for these sources, if the cache's stamp says so."""
+        try:
+            got = json.loads((self.cache_dir() / "stamp.json").read_text())
+            if got.get("stamp") == self.stamp() and Path(got["lib"]).is_file():
+                return str(got["lib"])
+        except (OSError, ValueError, KeyError, TypeError):  # no stamp yet, or a stale one
+            pass
         return None
 
     def _load(self) -> Any | None:
@@ -177,13 +183,13 @@ class NativeLibrary:
         and ~80 MiB of imports even when it finds nothing to do."""
         out = self.cache_dir()
         stamp_file = out / "stamp.json"
-        try:
-            got = json.loads(stamp_file.read_text())
-            if got.get("stamp") == self.stamp() and Path(got["lib"]).is_file():
-                torch.ops.load_library(got["lib"])
+        lib = self._built_lib()
+        if lib is not None:
+            try:
+                torch.ops.load_library(lib)
                 return self._registered()
-        except Exception:  # no stamp yet, a stale one, an unloadable file: build
-            pass
+            except Exception:  # an unloadable file: build
+                pass
 
         from torch.utils import cpp_extension
 

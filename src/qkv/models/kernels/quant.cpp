@@ -321,7 +321,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-
 }  // namespace
 
 TORCH_LIBRARY(qkv_quant, m) {
