@@ -23,9 +23,8 @@ from ..._core.kindspec import mask_spec, score_spec
 from ..._core.problem import Problem
 from ..._core.spec import has_numbers
 from ..._core.tracing import assume_constant_result, is_symbolic
-from ..base import HUGE_LOGIT
 from . import native
-from .grads import lse_hi_lo
+from .grads import huge_lse, lse_hi_lo
 from .operators import attention_backward
 from .plan import make_job
 
@@ -105,10 +104,9 @@ def _band_kernel_loaded() -> bool:
 
 class _Band(torch.autograd.Function):
     """A window through qkv's compiled band kernel, traced into the graph: the kernel's own C++
-    operators (``qkv_native::band_forward`` / ``band_backward``). Where a row's lse passes
-    :data:`HUGE_LOGIT` the kernel's backward, which recomputes the scores in another order,
-    would lose digits: there a ``torch.cond`` takes ``qkv::blocksparse_backward`` instead,
-    which redoes the call with explicit matmuls, as eager does."""
+    forward operator (``qkv_native::band_forward``) and ``qkv::band_backward``
+    (:func:`_band_backward`), which decides at run time between the kernel's backward and the
+    engine's."""
 
     @staticmethod
     def forward(
@@ -124,25 +122,43 @@ class _Band(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         lo, hi, scale, ms = ctx.meta
-
-        def engine(
-            q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
-        ) -> tuple[Tensor, Tensor, Tensor]:
-            g = attention_backward(
-                q, k, v, out, lse, dout, None, ms, [], "none", [], scale, [True, True, True]
-            )
-            # (contiguous, as the kernel's: torch.cond's branches must agree on strides)
-            return g[0], g[1], g[2]
-
-        def kernel(
-            q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor
-        ) -> tuple[Tensor, Tensor, Tensor]:
-            lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
-            return native.band_backward(q, k, v, out, dout, lse_hi, lse_lo, None, lo, hi, scale)
-
-        finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        huge = (finite.abs() > HUGE_LOGIT).any()
-        dq, dk, dv = torch.cond(huge, engine, kernel, (q, k, v, out, lse, dout))
+        dq, dk, dv = torch.ops.qkv.band_backward(q, k, v, out, lse, dout, lo, hi, scale, ms)
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
                 None, None, None, None)  # fmt: skip
+
+
+# Why an operator and not ``torch.cond`` on the lse: a ``torch.cond``'s branches may not take
+# inputs that alias each other, and q, k, v are exactly that in most models (views of one
+# fused projection, nanoGPT's ``c_attn(x).split(...)``; or one tensor passed three times):
+# tracing the backward failed with "cond_true might be aliasing the input or the output!".
+# An operator takes any inputs; the choice between the two backwards is made when it runs.
+@torch.library.custom_op("qkv::band_backward", mutates_args=())
+def _band_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    lo: int,
+    hi: int,
+    scale: float,
+    ms: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq, dk, dv`` (contiguous) of :class:`_Band`'s window. Where a row's lse passes
+    ``HUGE_LOGIT`` (``qkv.backends.base``) the kernel's backward, which recomputes the scores
+    in another order, would lose digits: such a call takes ``qkv::blocksparse_backward``
+    instead, which redoes the call with explicit matmuls, as eager does."""
+    if huge_lse(lse):
+        g = attention_backward(
+            q, k, v, out, lse, dout, None, ms, [], "none", [], scale, [True, True, True]
+        )
+        return g[0], g[1], g[2]
+    lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
+    return native.band_backward(q, k, v, out, dout, lse_hi, lse_lo, None, lo, hi, scale)
+
+
+@_band_backward.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
