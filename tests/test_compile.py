@@ -255,7 +255,7 @@ def test_fullgraph_beyond_the_dense_formula_runs_the_engine_as_an_operator(name:
     assert counter.frame_count == 1
     ops = _graph_ops(counter)
     # (a bias alone is SDPA's, as in eager; a window takes the band kernel's own operator)
-    engine = {"bias": None, "window": "qkv_native.band_forward"}.get(name, "qkv.blocksparse")
+    engine = {"bias": None, "window": "qkv.band"}.get(name, "qkv.blocksparse")
     if engine is not None:
         assert engine in ops, sorted(ops)
     for a, b in zip(got, want, strict=True):
@@ -758,7 +758,7 @@ def test_a_window_compiled_first_traces_the_band_kernel_once(monkeypatch):
         q, k, v = make_qkv(BIG, gen=gen)
         torch.testing.assert_close(fn(q, k, v, mask=mask), qkv.attention(q, k, v, mask=mask))
     ops = _graph_ops(counter)
-    assert counter.frame_count == 1 and "qkv_native.band_forward" in ops, sorted(ops)
+    assert counter.frame_count == 1 and "qkv.band" in ops, sorted(ops)
 
 
 @pytest.mark.parametrize(("name", "plans"), [("prefix_lm", 2), ("window", 0)])

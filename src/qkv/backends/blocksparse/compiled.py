@@ -7,8 +7,8 @@ goes through ``qkv::blocksparse`` (:mod:`.operators`, the operators eager calls 
 which plans its tiles when the graph runs. A user's mask_mod is evaluated in the graph into a
 bool tensor the operator takes; a user's score_mod cannot cross an operator (it is code, not
 a tensor): such calls keep the plain formula in the graph, or the engine eagerly behind a
-graph break. A window without a score calls the compiled band kernel's own operators
-(:class:`_Band`).
+graph break. A window without a score calls the compiled band kernel through its own
+operators (``qkv::band``, ``qkv::band_backward``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..._core.tracing import assume_constant_result, is_symbolic
 from . import native
 from .grads import huge_lse, lse_hi_lo
 from .operators import attention_backward
-from .plan import make_job
+from .plan import make_job, native_band_shape
 
 Tensor = torch.Tensor
 
@@ -68,7 +68,8 @@ def attention(p: Problem) -> tuple[Tensor, Tensor | None]:
         and not (has_numbers(ms) or is_symbolic(p.scale))  # (dynamic=True: the operators)
         and _band_kernel(p)
     ):
-        return _Band.apply(p.q, p.k, p.v, p.mask.lo, p.mask.hi, p.scale, ms), None
+        out, _ = torch.ops.qkv.band(p.q, p.k, p.v, p.mask.lo, p.mask.hi, p.scale, ms)
+        return out, None
     if ms is None:  # a user's mask_mod: evaluated here, in the graph, into a bool tensor
         mt = []
         dense = mask_at(p.mask, *whole(p.shape), p.device)
@@ -81,15 +82,14 @@ def attention(p: Problem) -> tuple[Tensor, Tensor | None]:
 
 def _band_kernel(p: Problem) -> bool:
     """Whether the engine would run ``p`` (a window, no score) on qkv's compiled band kernel:
-    then the graph calls the kernel's own operators directly (:class:`_Band`), without the
-    Python of the ``qkv::blocksparse`` operators, which cost ~0.2-0.4 ms a call beside a
-    kernel of ~10 ms (benchmarks/RESULTS.md)."""
-    if (
-        not p.mask.is_band
-        or p.mask.is_causal
-        or p.device.type != "cpu"
-        or not _band_kernel_loaded()
-    ):
+    then the graph calls the kernel's own operators (``qkv::band``), without the Python of
+    the ``qkv::blocksparse`` operators, which cost ~0.2-0.4 ms a call beside a kernel of
+    ~10 ms (benchmarks/RESULTS.md). What the kernel cannot take (another dtype, too wide a
+    band) is answered before any planning: planning a torch route reads the tile plan's
+    values, which dynamo cannot trace (bfloat16 under autocast failed so)."""
+    if not p.mask.is_band or p.mask.is_causal or p.device.type != "cpu":
+        return False
+    if native_band_shape(p) is not None or not _band_kernel_loaded():
         return False
     return make_job(p, dry_run=True).route == "native_band"
 
@@ -102,30 +102,39 @@ def _band_kernel_loaded() -> bool:
     return native.band_forward_op() is not None
 
 
-class _Band(torch.autograd.Function):
-    """A window through qkv's compiled band kernel, traced into the graph: the kernel's own C++
-    forward operator (``qkv_native::band_forward``) and ``qkv::band_backward``
-    (:func:`_band_backward`), which decides at run time between the kernel's backward and the
-    engine's."""
+@torch.library.custom_op("qkv::band", mutates_args=())
+def _band(
+    q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float, ms: str
+) -> tuple[Tensor, Tensor]:
+    """A window through qkv's compiled band kernel, traced into a graph: ``out [B, Hq, Lq,
+    Dv]`` and ``lse [B, Hq, Lq]`` (float64, what the backward takes). An operator with its
+    autograd registered, not an autograd Function: dynamo refuses a Function given the same
+    tensor twice (``qkv.attention(x, x, x)``), an operator takes any inputs."""
+    out, lse = native.band_forward(q, k, v, lo, hi, scale)
+    return out, lse.double()
 
-    @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, lo: int, hi: int, scale: float, ms: str
-    ) -> Tensor:
-        out, lse = native.band_forward(q, k, v, lo, hi, scale)
-        lse = lse.double()  # (what the engine's backward takes)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (lo, hi, scale, ms)
-        return out
 
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        lo, hi, scale, ms = ctx.meta
-        dq, dk, dv = torch.ops.qkv.band_backward(q, k, v, out, lse, dout, lo, hi, scale, ms)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                None, None, None, None)  # fmt: skip
+@_band.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
+    B, Hq, Lq, _ = q.shape
+    return q.new_empty(B, Hq, Lq, v.shape[3]), q.new_empty(B, Hq, Lq, dtype=torch.float64)
+
+
+def _band_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, lo, hi, scale, ms = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.meta = (lo, hi, scale, ms)
+
+
+def _band_grad(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Any, ...]:
+    # (dlse: the lse is internal, qkv.attention returns it only on the operators' route)
+    q, k, v, out, lse = ctx.saved_tensors
+    lo, hi, scale, ms = ctx.meta
+    dq, dk, dv = torch.ops.qkv.band_backward(q, k, v, out, lse, dout, lo, hi, scale, ms)
+    return dq, dk, dv, None, None, None, None
+
+
+_band.register_autograd(_band_grad, setup_context=_band_setup)
 
 
 # Why an operator and not ``torch.cond`` on the lse: a ``torch.cond``'s branches may not take
@@ -146,7 +155,7 @@ def _band_backward(
     scale: float,
     ms: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``dq, dk, dv`` (contiguous) of :class:`_Band`'s window. Where a row's lse passes
+    """``dq, dk, dv`` (contiguous) of ``qkv::band``'s window. Where a row's lse passes
     ``HUGE_LOGIT`` (``qkv.backends.base``) the kernel's backward, which recomputes the scores
     in another order, would lose digits: such a call takes ``qkv::blocksparse_backward``
     instead, which redoes the call with explicit matmuls, as eager does."""

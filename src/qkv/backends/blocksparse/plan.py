@@ -75,6 +75,20 @@ def native_band(p: Problem, *, build: bool = True) -> str | None:
     which must not wait ~15 s on a compiler)."""
     from . import native
 
+    why = native_band_shape(p)
+    if why is not None:
+        return why
+    if not build or p.device.type == "meta":
+        return native.disabled()
+    if native.band_forward_op() is None:
+        return native.disabled() or "the compiled kernel could not be loaded"
+    return None
+
+
+def native_band_shape(p: Problem) -> str | None:
+    """Why the compiled band kernel cannot compute this problem whatever is built, or
+    ``None``: read from the problem alone (no file, no tensor value: torch.compile's trace
+    asks it)."""
     why_not_fused = fused_ok(p)
     if why_not_fused is not None:
         return why_not_fused
@@ -107,10 +121,6 @@ def native_band(p: Problem, *, build: bool = True) -> str | None:
         return "the band is empty (every key is masked)"
     if hi - lo > NATIVE_MAX_WIDTH:
         return f"the band is wider than {NATIVE_MAX_WIDTH} keys"
-    if not build or p.device.type == "meta":
-        return native.disabled()
-    if native.band_forward_op() is None:
-        return native.disabled() or "the compiled kernel could not be loaded"
     return None
 
 
