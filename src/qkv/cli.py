@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "walkthrough": ("walkthrough", "the formula step by step on a tiny example"),
     "plan": ("plan", "which backend qkv.attention would run for a shape and mask, and why"),
     "bench": ("bench", "time qkv against torch SDPA (and FlexAttention) over lengths and masks"),
+    "build": ("build", "build qkv's compiled CPU kernels for this CPU now (a Dockerfile, CI)"),
 }
 
 

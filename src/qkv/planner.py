@@ -171,7 +171,7 @@ class Plan:
             notes.append("exact mask density unknown; FLOPs count every position of visible tiles")
         elif self.density is None:
             notes.append("mask density unknown without evaluating the mask; FLOPs assume dense")
-        return notes + list(self._about().mod_notes)
+        return notes + list(self._about().mod_notes) + list(self._about().kernel_notes)
 
     def __str__(self) -> str:
         notes = self.notes
@@ -203,7 +203,7 @@ def decide(p: Problem, backend: object = "auto", *, dry_run: bool = False) -> Pl
     nothing and describes the call."""
     if dry_run:
         plan = _decide(p, backend, dry_run=True)
-        return replace(plan, about=describe(p, plan.route))
+        return replace(plan, about=describe(p, plan.route, plan.backend))
     sig = signature.of_problem(p, backend, _limit["bytes"])
     if sig is not None:
         got = kept.lookup(sig, p.q, p.k)

@@ -13,6 +13,7 @@ import torch
 from .._core.problem import Problem
 from .._flex.plan import plan_notes
 from ..backends.base import Route
+from ..native import NativeLibrary
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,13 @@ class About:
     density: float | None
     tiles: str | None
     mod_notes: tuple[str, ...]  # mods evaluated through vmap, and their cost
+    # a compiled kernel the route runs that is not built for this CPU yet (the dry run
+    # builds nothing): the first call stalls for its build
+    kernel_notes: tuple[str, ...] = ()
 
 
-def describe(p: Problem, route: Route) -> About:
-    """What :func:`qkv.plan` shows of ``p`` run by ``route``."""
+def describe(p: Problem, route: Route, backend: str = "") -> About:
+    """What :func:`qkv.plan` shows of ``p`` run by ``route`` of ``backend``."""
     # the mod notes first: they decide a score_mod, which is then named by how it runs
     mod_notes = tuple(plan_notes(p))
     shape = {"B": p.B, "Hq": p.Hq, "Hkv": p.Hkv, "Lq": p.Lq, "Lk": p.Lk, "D": p.D, "Dv": p.Dv}
@@ -41,7 +45,33 @@ def describe(p: Problem, route: Route) -> About:
         density=_density(p),
         tiles=_tiles(p, route),
         mod_notes=mod_notes,
+        kernel_notes=_unbuilt(backend, route),
     )
+
+
+def _unbuilt(backend: str, route: Route) -> tuple[str, ...]:
+    """A note for the compiled library the route would run when it is not built yet."""
+    lib = _library(backend, route)
+    if lib is None or lib.built():
+        return ()
+    return (
+        f"qkv's {lib.what} is not built yet: the first call builds it ({lib.estimate()}, "
+        f"once for this CPU); `qkv build` builds it ahead",
+    )
+
+
+def _library(backend: str, route: Route) -> NativeLibrary | None:
+    """The compiled library a route runs: the decode backend's kernel, or the block-sparse
+    engine's band kernel where its job takes the ``native_band`` route."""
+    if backend == "decode":
+        from ..backends.decode import LIBRARY
+
+        return LIBRARY
+    if backend == "blocksparse" and getattr(route.detail, "route", None) == "native_band":
+        from ..backends.blocksparse.native import LIBRARY as BAND
+
+        return BAND
+    return None
 
 
 def _tiles(p: Problem, route: Route) -> str | None:
