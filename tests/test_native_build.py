@@ -147,6 +147,21 @@ def test_build_reports_instead_of_printing(
     assert lib.build().cached  # loaded now
 
 
+@needs_compiler
+def test_a_library_built_ahead_loads_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An image that ran qkv build and then dropped its compiler still uses the kernels; an
+    empty cache without a compiler says why not."""
+    assert band.band_forward_op() is not None, band.disabled()  # built in the shared cache
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setattr(band.LIBRARY, "_state", {})  # as a new process
+    assert band.disabled() is None and band.band_forward_op() is not None
+    monkeypatch.setenv("QKV_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(band.LIBRARY, "_state", {})
+    assert "no C++ compiler found" in str(band.disabled())
+
+
 # ------------------------------------------------------------------------------- qkv.plan
 
 
