@@ -161,6 +161,29 @@ def test_import_qkv_does_not_import_transformers() -> None:
     assert r.stdout.strip() == "False"
 
 
+def test_importing_qkv_hf_registers_qkv() -> None:
+    """A new process (registration is process-global): before the import transformers refuses
+    the name, after ``import qkv.hf`` alone a model loads and runs with it."""
+    code = (
+        "import torch, transformers as T\n"
+        "cfg = T.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64,\n"
+        "    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)\n"
+        "try:\n"
+        "    T.MistralForCausalLM._from_config(cfg, attn_implementation='qkv')\n"
+        "    print('loaded before the import')\n"
+        "except Exception as e:\n"
+        "    print('refused before the import')\n"
+        "import qkv.hf\n"
+        "m = T.MistralForCausalLM._from_config(cfg, attn_implementation='qkv').eval()\n"
+        "with torch.no_grad():\n"
+        "    out = m(torch.randint(0, 32, (1, 9))).logits\n"
+        "print(m.config._attn_implementation, tuple(out.shape))\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["refused before the import", "qkv (1, 9, 32)"]
+
+
 def test_import_qkv_hf_without_transformers_names_the_extra() -> None:
     r = _run("import sys; sys.modules['transformers'] = None; import qkv.hf")
     assert r.returncode != 0

@@ -2,12 +2,14 @@
 
 ::
 
-    import qkv.hf
-    qkv.hf.register()                                    # "qkv"
+    import qkv.hf                                        # registers "qkv"
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="qkv")
     model.set_attn_implementation("qkv")                 # or switch a loaded model
 
-:func:`register` puts two functions under one name: :func:`attention_forward` in
+Importing ``qkv.hf`` registers the name ``"qkv"`` (:func:`register`; two entries added to
+transformers' registries, nothing else changed until a model asks for that name), so
+``attn_implementation="qkv"`` works after the import alone; ``register(name=...)`` adds
+another name. :func:`register` puts two functions under one name: :func:`attention_forward` in
 ``transformers.AttentionInterface`` (every attention layer calls it) and :func:`mask_function`
 in ``transformers.masking_utils.AttentionMaskInterface`` (transformers builds each forward's
 masks with it; without it transformers would pass no mask at all and lose padding, windows and
@@ -62,3 +64,8 @@ def register(name: str = NAME) -> str:
     _AttentionInterface.register(name, attention_forward)
     _AttentionMaskInterface.register(name, mask_function)
     return name
+
+
+# The import registers the default name: `import qkv.hf` then attn_implementation="qkv" is
+# what users write (transformers' own error otherwise names no qkv function to call first).
+register()
