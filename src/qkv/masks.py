@@ -148,30 +148,53 @@ def _checked_before(t: Tensor) -> bool:
 
 
 def document(ids: Tensor) -> MaskMod:
-    """Document (packed-sequence) mask: attend iff ``ids[q_idx] == ids[kv_idx]``.
+    """Document (packed-sequence) mask: attend iff ``ids[q_idx] == ids[kv_idx]``, or
+    ``ids[b, q_idx] == ids[b, kv_idx]`` with one row of ids per batch element.
 
-    ``ids`` is a 1-D integer tensor giving each position's document, covering both lengths.
-    For ``ids = [0, 0, 1, 1, 1]``::
+    ``ids`` gives each position's document, covering both lengths. For ``ids = [0, 0, 1, 1, 1]``::
 
         1 1 0 0 0
         1 1 0 0 0
         0 0 1 1 1
         0 0 1 1 1
         0 0 1 1 1
+
+    In training each batch row is packed differently: give ``ids`` as ``[B, L]``, row ``b``
+    the documents of batch element ``b``. For ``ids = [[0, 0, 1, 1], [0, 1, 1, 1]]`` batch 0
+    sees the first grid below and batch 1 the second::
+
+        1 1 0 0      1 0 0 0
+        1 1 0 0      0 1 1 1
+        0 0 1 1      0 1 1 1
+        0 0 1 1      0 1 1 1
 
     Combine with causal for packed causal training: ``and_masks(causal, document(ids))``.
+    Sorted ids (each document one run of positions) are the fast case: every kernel skips
+    the other documents' keys; unsorted ids are exact too.
 
     Args:
-        ids: ``[L]`` integer tensor with ``L >= max(Lq, Lk)``.
+        ids: integer tensor ``[L]`` (or ``[1, L]``), one packing shared by every batch
+            element, or ``[B, L]``, one per batch element; ``L >= max(Lq, Lk)``.
 
-    Returns a mask_mod giving a bool ``[1, 1, Lq, Lk]``.
+    Returns a mask_mod giving a bool ``[1, 1, Lq, Lk]`` (``[B, 1, Lq, Lk]`` for ``[B, L]``
+    ids); equivalent to ``qkv.reference.attention`` with that mask as a bool tensor.
     """
     if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"document ids must be a 1-D tensor, got {type(ids).__name__}")
-    if ids.ndim != 1 or ids.dtype.is_floating_point:
+        raise TypeError(
+            f"document ids must be an integer tensor [L] or [B, L], got {type(ids).__name__}; "
+            f"use torch.tensor([...])"
+        )
+    if ids.ndim not in (1, 2) or ids.dtype.is_floating_point or ids.dtype.is_complex:
         raise ValueError(
-            f"document ids must be a 1-D integer tensor, got shape {tuple(ids.shape)} and "
-            f"dtype {ids.dtype}"
+            f"document ids must be an integer tensor [L] (one packing for every batch "
+            f"element) or [B, L] (one row per batch element), got shape {tuple(ids.shape)} "
+            f"and dtype {ids.dtype}"
+            + (
+                "; for ids of several batch dims, flatten them into the batch: "
+                "ids.reshape(-1, ids.shape[-1])"
+                if ids.ndim > 2
+                else ""
+            )
         )
     return Document(ids)  # (integer ids never need a gradient: kept as given, the value)
 

@@ -22,6 +22,7 @@ import torch
 from .grid import FULL, Grid, band_states, below_states, document_states
 from .spec import number, read, registered, slot
 from .terms import NONE, Keys, Terms
+from .tracing import is_symbolic
 from .value import Value
 
 Tensor = torch.Tensor
@@ -214,34 +215,45 @@ class KvBelow(BuiltinMask):
 
 @registered("doc")
 class Document(BuiltinMask):
-    """Attend iff ``ids[q_idx] == ids[kv_idx]``."""
+    """Attend iff ``ids[q_idx] == ids[kv_idx]`` (ids ``[L]`` or ``[1, L]``, one packing for
+    every batch element) or ``ids[b, q_idx] == ids[b, kv_idx]`` (ids ``[B, L]``, each batch
+    element its own packing)."""
 
     def __init__(self, ids: Tensor) -> None:
-        self.ids = ids
+        self.ids = ids  # as given: the value (compared by identity), and what its spec carries
         # copies per device, with the version of the ids they copied (see KvBelow._on)
         self._by_device: dict[torch.device, tuple[int, Tensor]] = {}
 
-    def _ids(self, device: torch.device) -> Tensor:
+    @property
+    def rows(self) -> Tensor:
+        """The ids as ``[R, L]``: one row per batch element, or ``R = 1`` for one row that
+        every batch element shares (a view of the ids as given)."""
+        return self.ids if self.ids.ndim == 2 else self.ids.unsqueeze(0)  # [R, L]
+
+    def _rows(self, device: torch.device) -> Tensor:
         if torch.compiler.is_compiling() or self.ids.is_inference():  # (see KvBelow._on)
-            return self.ids.to(device)
+            return self.rows.to(device)
         got = self._by_device.get(device)
         if got is None or got[0] != self.ids._version:
-            got = (self.ids._version, self.ids.to(device))
+            got = (self.ids._version, self.rows.to(device))
             self._by_device[device] = got
         return got[1]
 
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        ids = self._ids(q_idx.device)
-        return ids[q_idx] == ids[kv_idx]
+        rows = self._rows(q_idx.device)  # [R, L]
+        if rows.shape[0] == 1:
+            ids = rows[0]  # [L]
+            return ids[q_idx] == ids[kv_idx]  # [1, 1, Lq, Lk]
+        return rows[b, q_idx] == rows[b, kv_idx]  # [B, 1, Lq, Lk]
 
     def params(self) -> tuple[object, ...]:
         return (self.ids,)
 
     def tile_states(self, g: Grid) -> Tensor:
-        return document_states(self.ids, g)
+        return document_states(self.rows, g)
 
     def terms(self) -> Terms:
-        return Terms(ids=self.ids)
+        return Terms(ids=self.rows)
 
     def spec(self, tensors: list[Tensor]) -> str:
         return f"doc({slot(self.ids, tensors)})"
@@ -254,15 +266,24 @@ class Document(BuiltinMask):
         return [("document ids", self.ids)]
 
     def _check_problem(self, B: int, H: int, Lq: int, Lk: int) -> None:
-        n = self.ids.shape[0]
-        if n < max(Lq, Lk):
+        rows, n = self.rows.shape
+        if rows != 1 and rows != B:
             raise ValueError(
-                f"qkv.document ids has {n} entries but q_len={Lq} and kv_len={Lk}; the ids "
-                f"must cover max(q_len, kv_len) = {max(Lq, Lk)} positions"
+                f"qkv.document ids has shape {list(self.ids.shape)}: {rows} rows but the batch "
+                f"size is {B}; give one row of ids per batch element ([{B}, L]), or one row "
+                f"([L] or [1, L]) that every batch element shares"
+            )
+        if n < max(Lq, Lk):
+            per_row = "" if self.ids.ndim == 1 else f" per row (shape {list(self.ids.shape)})"
+            raise ValueError(
+                f"qkv.document ids has {n} entries{per_row} but q_len={Lq} and kv_len={Lk}; "
+                f"the ids must cover max(q_len, kv_len) = {max(Lq, Lk)} positions"
             )
 
     def __repr__(self) -> str:
-        return f"qkv.document(<{self.ids.shape[0]} ids>)"
+        # (a size symbolic while dynamo traces is written "?": a name must be a constant)
+        sizes = " x ".join("?" if is_symbolic(n) else str(n) for n in self.ids.shape)
+        return f"qkv.document(<{sizes} ids>)"
 
 
 @registered("prefix")

@@ -98,15 +98,18 @@ def below_states(limit: int | Tensor, g: Grid, start: Tensor | None = None) -> T
 
 
 def document_states(all_ids: Tensor, g: Grid) -> Tensor:
-    """``ids[q_idx] == ids[kv_idx]``."""
-    ids = all_ids.detach().to("cpu")[: max(g.Lq, g.Lk)]
-    if ids.numel() > 1 and not bool((ids[1:] >= ids[:-1]).all()):
+    """``ids[b, q_idx] == ids[b, kv_idx]`` for ids ``[R, L]`` (``R`` 1, shared by every batch
+    element, or one row per batch element): states ``[R, 1, nq, nk]``."""
+    ids = all_ids.detach().to("cpu")[:, : max(g.Lq, g.Lk)]  # [R, n]
+    if ids.shape[1] > 1 and not bool((ids[:, 1:] >= ids[:, :-1]).all()):
         return _document_unsorted(ids, g)
     # Sorted ids (packed sequences): each block holds the ids [ids[first], ids[last]], and
     # two blocks share a document iff those ranges overlap. Because ids are sorted, the
-    # visible key blocks of a query block are one contiguous run, found by binary search.
-    qmin, qmax = ids[g.q_start], ids[g.q_last]  # [nq]
-    kmin, kmax = ids[g.k_start], ids[g.k_last]  # [nk], both non-decreasing
+    # visible key blocks of a query block are one contiguous run, found by binary search
+    # (batched: one sorted sequence per row of ids).
+    R = ids.shape[0]
+    qmin, qmax = ids[:, g.q_start], ids[:, g.q_last]  # [R, nq]
+    kmin, kmax = ids[:, g.k_start].contiguous(), ids[:, g.k_last].contiguous()  # [R, nk]
     vis_lo = torch.searchsorted(kmax, qmin)  # first j with kmax[j] >= qmin
     vis_hi = torch.searchsorted(kmin, qmax, right=True) - 1  # last j with kmin[j] <= qmax
     # Full: both blocks lie inside one document, the same one.
@@ -114,7 +117,8 @@ def document_states(all_ids: Tensor, g: Grid) -> Tensor:
     full_lo = torch.searchsorted(kmin, qmin)  # first j with kmin[j] >= qmin
     full_hi = torch.searchsorted(kmax, qmin, right=True) - 1  # last j with kmax[j] <= qmin
     full_hi = torch.where(single, full_hi, full_lo - 1)
-    return g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)
+    states = g.from_ranges(vis_lo, vis_hi, full_lo, full_hi)  # [1, R, nq, nk]
+    return states.view(R, 1, g.nq, g.nk)
 
 
 # Above this many (query block x key block x document) cells, unsorted document ids are planned
@@ -123,25 +127,26 @@ _PRESENCE_CELLS = 1 << 26
 
 
 def _document_unsorted(ids: Tensor, g: Grid) -> Tensor:
-    """Block states for unsorted document ids: which documents each block contains (a
-    presence matrix), then a block pair is visible iff they share one. Exact at block level
-    while ``nq * nk * documents`` stays small; otherwise every block is (conservatively)
-    partial, which is correct but skips nothing."""
-    _, code = torch.unique(ids, return_inverse=True)  # [n] document index 0..n_docs-1
+    """Block states for unsorted document ids ``[R, n]``: which documents each block contains
+    (a presence matrix per row of ids), then a block pair is visible iff they share one. Exact
+    at block level while ``R * nq * nk * documents`` stays small; otherwise every block is
+    (conservatively) partial, which is correct but skips nothing."""
+    R = ids.shape[0]
+    _, code = torch.unique(ids, return_inverse=True)  # [R, n] document index 0..n_docs-1
     n_docs = int(code.max()) + 1
-    if g.nq * g.nk * n_docs > _PRESENCE_CELLS:
-        zero = torch.zeros(g.nq, dtype=torch.int64)
-        return g.from_ranges(zero, zero + g.nk - 1, zero, zero - 1)
+    if R * g.nq * g.nk * n_docs > _PRESENCE_CELLS:
+        return torch.ones(R, 1, g.nq, g.nk, dtype=torch.int8)  # every block partial
 
     def presence(n_blocks: int, length: int, size: int) -> Tensor:
-        pres = torch.zeros(n_blocks, n_docs)  # [n_blocks, n_docs]
-        pos = torch.arange(length)
-        pres[pos // size, code[:length]] = 1.0
+        pres = torch.zeros(R, n_blocks, n_docs)  # [R, n_blocks, n_docs]
+        row = torch.arange(R).view(R, 1)  # [R, 1]
+        pos = torch.arange(length).view(1, length)  # [1, length]
+        pres[row, pos // size, code[:, :length]] = 1.0
         return pres
 
     pq, pk = presence(g.nq, g.Lq, g.bq), presence(g.nk, g.Lk, g.bk)
-    vis = (pq @ pk.T) > 0  # [nq, nk]: the blocks share at least one document
-    one_q = (pq.sum(1) == 1).view(-1, 1)  # [nq, 1]: the query block holds a single document
-    one_k = (pk.sum(1) == 1).view(1, -1)  # [1, nk]
-    same = (pq.argmax(1).view(-1, 1) == pk.argmax(1).view(1, -1)) & one_q & one_k
-    return (vis.to(torch.int8) + (vis & same).to(torch.int8)).view(1, 1, g.nq, g.nk)
+    vis = (pq @ pk.mT) > 0  # [R, nq, nk]: the blocks share at least one document
+    one_q = (pq.sum(-1) == 1).unsqueeze(-1)  # [R, nq, 1]: the query block holds one document
+    one_k = (pk.sum(-1) == 1).unsqueeze(-2)  # [R, 1, nk]
+    same = (pq.argmax(-1).unsqueeze(-1) == pk.argmax(-1).unsqueeze(-2)) & one_q & one_k
+    return (vis.to(torch.int8) + (vis & same).to(torch.int8)).view(R, 1, g.nq, g.nk)

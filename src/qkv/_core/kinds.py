@@ -111,7 +111,8 @@ class MaskKind:
         return replace(self, block=bm)
 
     def document_causal(self) -> tuple[Tensor, bool] | None:
-        """``(ids, causal)`` for ``document(ids)`` or ``and_masks(causal, document(ids))``."""
+        """``(ids, causal)`` for ``document(ids)`` or ``and_masks(causal, document(ids))``;
+        ``ids`` as the terms hold them, ``[R, L]`` (``R`` 1 or one row per batch element)."""
         t = self.terms
         if t.ids is None or not t.only(band=True, ids=True):
             return None

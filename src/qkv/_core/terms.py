@@ -51,7 +51,8 @@ class Terms:
       ``(None, 0)``).
     - ``prefix``: ``kv_idx < prefix`` or causal (``qkv.prefix_lm``).
     - ``keys``: a key range per batch element (:class:`Keys`).
-    - ``ids``: ``ids[q_idx] == ids[kv_idx]`` (documents).
+    - ``ids``: ``ids[b, q_idx] == ids[b, kv_idx]`` (documents), ``[R, L]`` with ``R`` 1
+      (one row that every batch element shares) or ``B`` (a row per batch element).
     - ``rest``: mask_mods that are none of these, evaluated position by position.
     """
 

@@ -95,14 +95,16 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-# The kernel's optional inputs besides the band: (kstart, klimit, ids), int64 CPU tensors.
+# The kernel's optional inputs besides the band: (kstart, klimit, ids), int64 CPU tensors
+# (kstart and klimit [B], ids [1 or B, L]).
 Extras = tuple[Tensor | None, Tensor | None, Tensor | None]
 NO_EXTRAS: Extras = (None, None, None)
 
 
 def extras(terms: Terms, B: int) -> Extras:
     """What the kernel reads of a mask besides its band: the key range per batch element
-    (``[B]`` starts and ends; a padding mask) and document ids, as contiguous int64 CPU
+    (``[B]`` starts and ends; a padding mask) and document ids (``[1, L]``, one row every
+    batch element shares, or ``[B, L]``, a row per batch element), as contiguous int64 CPU
     tensors (the mask's own tensors where they already are; copies otherwise)."""
     if terms.keys is None and terms.ids is None:
         return NO_EXTRAS

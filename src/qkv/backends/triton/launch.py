@@ -135,7 +135,7 @@ def _mask_args(p: Problem, spec: MaskSpec, lists: TileLists) -> list[Any]:
     dummy = _placeholder(torch.int32, dev)
     start, limit = spec.pad if spec.pad is not None else (dummy, dummy)
     ids = spec.ids if spec.ids is not None else dummy
-    return [start, limit, ids, lists.bits]
+    return [start, limit, ids, spec.ids_stride, lists.bits]
 
 
 def _score_args(p: Problem, param: Tensor | None) -> tuple[list[Any], list[Any], float, int]:

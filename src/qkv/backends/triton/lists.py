@@ -36,9 +36,14 @@ class MaskSpec:
     band: tuple[int, int] | None = None  # lo <= kv - q <= hi
     prefix: int | None = None  # kv < prefix or kv <= q
     pad: tuple[Tensor, Tensor] | None = None  # (start [B], limit [B]) int32: start <= kv < limit
-    ids: Tensor | None = None  # document ids [max(Lq, Lk)] int32
+    ids: Tensor | None = None  # document ids [1 or B, L] int32 (one row shared, or per batch)
     bits: bool = False  # partial tiles read precomputed bits
     text: str = "no mask"
+
+    @property
+    def ids_stride(self) -> int:
+        """Elements between batch elements' rows of ids: 0 when one row serves every one."""
+        return 0 if self.ids is None or self.ids.shape[0] == 1 else self.ids.shape[1]
 
     def flags(self) -> dict[str, bool]:
         return {
@@ -102,8 +107,8 @@ def _mask_spec(m: MaskKind, B: int, Lq: int, Lk: int, device: torch.device) -> M
         pad = (start.to(device), lim.to(device))
         words.append("start[b] <= kv < limit[b]")
     if t.ids is not None:
-        ids = t.ids.to(device=device, dtype=torch.int32)
-        words.append("ids[q] == ids[kv]")
+        ids = t.ids.to(device=device, dtype=torch.int32).contiguous()  # [1 or B, L]
+        words.append("ids[q] == ids[kv]" if ids.shape[0] == 1 else "ids[b, q] == ids[b, kv]")
     return MaskSpec(band=band, prefix=t.prefix, pad=pad, ids=ids, text=" and ".join(words))
 
 

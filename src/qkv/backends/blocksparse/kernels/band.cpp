@@ -186,41 +186,62 @@ std::pair<float, float> softmax_row(float* s, int64_t n, int64_t a, int64_t e, f
 
 // What a batch element's rows may see besides the band (both optional): keys
 // [start[b], limit[b]) (a padding mask: int64 [B]), and keys of the row's own document
-// (ids[q] == ids[k]: int64 ids of every position). Range limits narrow each block's span.
-// Sorted ids are runs: each block's span and each row's columns narrow to its documents'
-// keys (run_lo, run_hi); unsorted ids mask single scores inside the span instead.
+// (ids[b][q] == ids[b][k]: int64 ids of every position, one row that every batch element
+// shares, or one row per batch element, ids_stride apart). Range limits narrow each block's
+// span. A sorted row of ids is runs: each block's span and each row's columns narrow to its
+// documents' keys (run_lo, run_hi); an unsorted row masks single scores inside the span.
 struct Extra {
   const int64_t* start = nullptr;
   const int64_t* limit = nullptr;
   const int64_t* ids = nullptr;
-  std::vector<int64_t> run_lo, run_hi;  // sorted ids: position i's document is [lo, hi)
+  int64_t ids_stride = 0;  // between batch elements' rows of ids: 0 when one row serves all
+  int64_t n = 0;           // positions per row that the runs cover: max(Lq, Lk)
+  // sorted rows: position i of ids row r is in the document [lo, hi) at run_*[r * n + i]
+  std::vector<int64_t> run_lo, run_hi;
+  std::vector<char> sorted;  // per row of ids
 
-  void find_runs(int64_t n) {
+  int64_t row_of(int64_t b) const { return ids_stride == 0 ? 0 : b; }
+  bool runs(int64_t b) const { return !sorted.empty() && sorted[row_of(b)]; }
+
+  void find_runs(int64_t rows, int64_t positions) {
+    n = positions;
     if (ids == nullptr || n == 0) return;
-    for (int64_t i = 1; i < n; ++i) {
-      if (ids[i] < ids[i - 1]) return;  // not sorted: scores are masked one by one
-    }
-    run_lo.resize(n);
-    run_hi.resize(n);
-    for (int64_t i = 0; i < n;) {
-      int64_t j = i;
-      while (j < n && ids[j] == ids[i]) ++j;
-      std::fill(run_lo.begin() + i, run_lo.begin() + j, i);
-      std::fill(run_hi.begin() + i, run_hi.begin() + j, j);
-      i = j;
+    sorted.assign(rows, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t* id = ids + r * ids_stride;
+      bool up = true;
+      for (int64_t i = 1; i < n && up; ++i) up = id[i] >= id[i - 1];
+      if (!up) continue;  // not sorted: this row's scores are masked one by one
+      if (run_lo.empty()) {
+        run_lo.resize(rows * n);
+        run_hi.resize(rows * n);
+      }
+      sorted[r] = 1;
+      int64_t* lo = run_lo.data() + r * n;
+      int64_t* hi = run_hi.data() + r * n;
+      for (int64_t i = 0; i < n;) {
+        int64_t j = i;
+        while (j < n && id[j] == id[i]) ++j;
+        std::fill(lo + i, lo + j, i);
+        std::fill(hi + i, hi + j, j);
+        i = j;
+      }
     }
   }
-  // [k0, k1) narrowed to the keys of the documents of query rows [r0, r1) (sorted ids)
-  void narrow(int64_t r0, int64_t r1, int64_t& k0, int64_t& k1) const {
-    if (run_lo.empty()) return;
-    k0 = std::max(k0, run_lo[r0]);
-    k1 = std::min(k1, run_hi[r1 - 1]);
+  // [k0, k1) narrowed to the keys of the documents of batch b's query rows [r0, r1) (a
+  // sorted row of ids)
+  void narrow(int64_t b, int64_t r0, int64_t r1, int64_t& k0, int64_t& k1) const {
+    if (!runs(b)) return;
+    const int64_t base = row_of(b) * n;
+    k0 = std::max(k0, run_lo[base + r0]);
+    k1 = std::min(k1, run_hi[base + r1 - 1]);
   }
   // a row's columns [a, e) of a block whose keys start at k0, narrowed the same way
-  void narrow_row(int64_t row, int64_t k0, int64_t& a, int64_t& e) const {
-    if (run_lo.empty()) return;
-    a = std::clamp<int64_t>(run_lo[row] - k0, a, e);  // a <= e stays true
-    e = std::clamp<int64_t>(run_hi[row] - k0, a, e);
+  void narrow_row(int64_t b, int64_t row, int64_t k0, int64_t& a, int64_t& e) const {
+    if (!runs(b)) return;
+    const int64_t base = row_of(b) * n;
+    a = std::clamp<int64_t>(run_lo[base + row] - k0, a, e);  // a <= e stays true
+    e = std::clamp<int64_t>(run_hi[base + row] - k0, a, e);
   }
 
   int64_t first_key(int64_t b, int64_t Lk) const {
@@ -229,12 +250,15 @@ struct Extra {
   int64_t end_key(int64_t b, int64_t Lk) const {  // never before first_key
     return limit ? std::clamp<int64_t>(limit[b], first_key(b, Lk), Lk) : Lk;
   }
-  // s[j] = fill for j in [a, e) where key k0 + j is in another document than query row `row`
-  void mask_row(float* s, int64_t row, int64_t k0, int64_t a, int64_t e, float fill) const {
-    if (ids == nullptr || !run_lo.empty()) return;
-    const int64_t id = ids[row];
+  // s[j] = fill for j in [a, e) where key k0 + j is in another document than batch b's
+  // query row `row` (an unsorted row of ids)
+  void mask_row(int64_t b, float* s, int64_t row, int64_t k0, int64_t a, int64_t e,
+                float fill) const {
+    if (ids == nullptr || runs(b)) return;
+    const int64_t* id = ids + row_of(b) * ids_stride;
+    const int64_t mine = id[row];
     for (int64_t j = a; j < e; ++j) {
-      if (ids[k0 + j] != id) s[j] = fill;
+      if (id[k0 + j] != mine) s[j] = fill;
     }
   }
 };
@@ -251,9 +275,25 @@ const int64_t* optional_ints(const std::optional<at::Tensor>& t, int64_t min_siz
 
 Extra extra_of(const std::optional<at::Tensor>& start, const std::optional<at::Tensor>& limit,
                const std::optional<at::Tensor>& ids, int64_t B, int64_t Lq, int64_t Lk) {
-  Extra ex{optional_ints(start, B, "kstart"), optional_ints(limit, B, "klimit"),
-           optional_ints(ids, std::max(Lq, Lk), "ids")};
-  ex.find_runs(std::max(Lq, Lk));
+  Extra ex{optional_ints(start, B, "kstart"), optional_ints(limit, B, "klimit")};
+  const int64_t n = std::max(Lq, Lk);
+  int64_t rows = 1;
+  if (ids.has_value() && ids->defined()) {
+    // [L] or [1, L]: one row that every batch element shares; [B, L]: a row per batch element
+    const at::Tensor& t = *ids;
+    const bool shape_ok =
+        (t.dim() == 1 || (t.dim() == 2 && (t.size(0) == 1 || t.size(0) == B))) &&
+        t.size(t.dim() - 1) >= n;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.device().is_cpu() && t.is_contiguous() &&
+                    shape_ok,
+                "band kernel: ids must be a contiguous int64 CPU tensor [L] or [1 or B, L] with "
+                "L >= max(Lq, Lk) = ", n, " (B = ", B, "), got ", t.sizes());
+    const bool per_row = t.dim() == 2 && t.size(0) > 1;
+    ex.ids = t.const_data_ptr<int64_t>();
+    ex.ids_stride = per_row ? t.size(1) : 0;
+    rows = per_row ? B : 1;
+  }
+  ex.find_runs(rows, n);
   return ex;
 }
 
@@ -311,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
       const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
       int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
       int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
-      ex.narrow(cq0, cq1, kc0, kc1);
+      ex.narrow(b, cq0, cq1, kc0, kc1);
       const int64_t kv_head = b * Hk + h / G;
       const float* kbase = kd + kv_head * Lk * D;
       const float* vbase = vd + kv_head * Lk * Dv;
@@ -321,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
         const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
         int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
         int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
-        ex.narrow(q0, q1, k0, k1);
+        ex.narrow(b, q0, q1, k0, k1);
         const float* qp = qd + ((b * H + h) * Lq + q0) * D;
         float* op = od + ((b * H + h) * Lq + q0) * Dv;
         float* lp = ld + (b * H + h) * Lq + q0;
@@ -344,8 +384,8 @@ std::tuple<at::Tensor, at::Tensor> band_forward(const at::Tensor& q, const at::T
           // row q0 + r sees keys [q0 + r + lo, q0 + r + hi], i.e. columns [a, e)
           int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
           int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
-          ex.narrow_row(q0 + r, k0, a, e);
-          ex.mask_row(scores.data() + r * lds, q0 + r, k0, a, e, neg_inf);
+          ex.narrow_row(b, q0 + r, k0, a, e);
+          ex.mask_row(b, scores.data() + r * lds, q0 + r, k0, a, e, neg_inf);
           std::tie(row_max[r], row_sum[r]) = softmax_row(scores.data() + r * lds, n, a, e, scale);
         }
         // out [m, Dv] = p [m, n] · V[k0:k1] [n, Dv], then each row divided by its sum
@@ -442,7 +482,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
         const int64_t ks = ex.first_key(b, Lk), ke = ex.end_key(b, Lk);
         int64_t kc0 = std::clamp<int64_t>(cq0 + lo, ks, ke);
         int64_t kc1 = std::clamp<int64_t>(cq1 - 1 + hi + 1, ks, ke);
-        ex.narrow(cq0, cq1, kc0, kc1);
+        ex.narrow(b, cq0, cq1, kc0, kc1);
         const int64_t np = kc1 - kc0;
         const float* kbase = kd + (b * Hk + hk) * Lk * D;
         const float* vbase = vd + (b * Hk + hk) * Lk * Dv;
@@ -458,7 +498,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
             const int64_t q1 = std::min(cq1, q0 + block), m = q1 - q0;
             int64_t k0 = std::clamp<int64_t>(q0 + lo, ks, ke);
             int64_t k1 = std::clamp<int64_t>(q1 - 1 + hi + 1, ks, ke);
-            ex.narrow(q0, q1, k0, k1);
+            ex.narrow(b, q0, q1, k0, k1);
             float* dqp = dqd + (bh * Lq + q0) * D;
             if (k1 <= k0) {
               std::fill(dqp, dqp + m * D, 0.f);
@@ -476,7 +516,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
               const int64_t row = bh * Lq + q0 + r;
               int64_t a = std::clamp<int64_t>(q0 + r + lo - k0, 0, n);
               int64_t e = std::clamp<int64_t>(q0 + r + hi + 1 - k0, 0, n);
-              ex.narrow_row(q0 + r, k0, a, e);
+              ex.narrow_row(b, q0 + r, k0, a, e);
               float* pr = p.data() + r * n;
               float* dr = ds.data() + r * n;
               float dsum = at::vec::map2_reduce_all<float>(
@@ -492,8 +532,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                 const float nan = std::numeric_limits<float>::quiet_NaN();  // exp_u20's)
                 std::fill(pr + a, pr + e, nan);
                 std::fill(dr + a, dr + e, nan);
-                ex.mask_row(pr, q0 + r, k0, a, e, 0.f);  // (other documents' keys stay 0)
-                ex.mask_row(dr, q0 + r, k0, a, e, 0.f);
+                ex.mask_row(b, pr, q0 + r, k0, a, e, 0.f);  // (other documents' keys stay 0)
+                ex.mask_row(b, dr, q0 + r, k0, a, e, 0.f);
                 continue;
               }
               const Vec vscale(scale), vlh(lh), vll(ll), vd(dsum);
@@ -510,8 +550,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
                 pv.store(pr + i, c);
                 ((Vec::loadu(dr + i, c) - vd) * pv * vscale).store(dr + i, c);
               }
-              ex.mask_row(pr, q0 + r, k0, a, e, 0.f);  // keys of other documents: no weight
-              ex.mask_row(dr, q0 + r, k0, a, e, 0.f);
+              ex.mask_row(b, pr, q0 + r, k0, a, e, 0.f);  // keys of other documents: no weight
+              ex.mask_row(b, dr, q0 + r, k0, a, e, 0.f);
             }
             // dq = scale·dS·K  (dS already carries the scale)
             at::native::cpublas::brgemm(m, D, n, n, D, D, false, ds.data(), kbase + k0 * D,

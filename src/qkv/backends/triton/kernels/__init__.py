@@ -7,7 +7,8 @@ and ``Hm`` are 1 where the mask is the same for every batch element / head, reac
 zero stride). A tag of -1 marks a full tile: no mask is evaluated. A tag >= 0 marks a partial
 tile, masked in the kernel by the built-in masks' parameters (``HAS_BAND``: ``lo <= kv - q <=
 hi``; ``HAS_PREFIX``: ``kv < prefix`` or causal; ``HAS_PAD``: ``start[b] <= kv < limit[b]``;
-``HAS_DOC``: ``ids[q] == ids[kv]``, all and-ed), or by bit-packed tile ``tag`` of ``BITS``
+``HAS_DOC``: ``ids[b, q] == ids[b, kv]``, one row of ids per batch element ``sid`` apart,
+or one shared row with ``sid = 0``; all and-ed), or by bit-packed tile ``tag`` of ``BITS``
 (``[T, BM, BN // 32]`` int32 words) for any other mask: those are evaluated ahead, in
 PyTorch, for the partial tiles only, so no user code is compiled.
 

@@ -17,6 +17,7 @@ DYNAMIC = [
     "prefix",
     "R",
     "n_blocks",
+    "sid",
 ]
 
 
@@ -78,6 +79,7 @@ def mask(
     START,
     LIMIT,
     IDS,
+    sid,
     BITS,
     Lq,
     Lk,
@@ -100,8 +102,9 @@ def mask(
         limit = tl.load(LIMIT + b)
         ok = ok & (offs_n[None, :] >= start) & (offs_n[None, :] < limit)
     if HAS_DOC:
-        qid = tl.load(IDS + offs_m, mask=offs_m < Lq, other=-1)
-        kid = tl.load(IDS + offs_n, mask=offs_n < Lk, other=-2)
+        ids = IDS + b.to(tl.int64) * sid  # batch b's row of ids (sid 0: one shared row)
+        qid = tl.load(ids + offs_m, mask=offs_m < Lq, other=-1)
+        kid = tl.load(ids + offs_n, mask=offs_n < Lk, other=-2)
         ok = ok & (qid[:, None] == kid[None, :])
     if HAS_BITS:
         rows = tl.arange(0, BM)
@@ -144,6 +147,7 @@ def probs(
     START,
     LIMIT,
     IDS,
+    sid,
     BITS,
     Lq,
     Lk,
@@ -194,6 +198,7 @@ def probs(
             START,
             LIMIT,
             IDS,
+            sid,
             BITS,
             Lq,
             Lk,
