@@ -83,24 +83,6 @@ class _KeyMask:
         return repr(self)
 
 
-class _RowDocuments:
-    """``ids[b, q_idx] == ids[b, kv_idx]``: packed documents that differ between rows."""
-
-    def __init__(self, ids: Tensor) -> None:
-        self.ids = ids  # [B, L]
-
-    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        ids = self.ids.to(q_idx.device)
-        return ids[b, q_idx] == ids[b, kv_idx]  # [B, 1, Lq, Lk]
-
-    def __repr__(self) -> str:
-        return f"packed documents per row {_shape(self.ids)}"
-
-    @property
-    def __name__(self) -> str:
-        return repr(self)
-
-
 def _closure(fn: Any) -> dict[str, Any]:
     """The values ``fn`` closes over, by name; ``{}`` for a closure made inside a
     ``torch.compile`` trace (dynamo cannot read its cells), which then stays a mask_mod."""
@@ -224,12 +206,12 @@ def _padding(pm: Tensor, f: Frame) -> object:
 
 
 def _documents(ids: Tensor, f: Frame) -> object:
-    ids = ids[:, : max(f.Lq, f.Lk)]
-    if ids.shape[0] > 1 and torch.compiler.is_compiling():  # as _padding: no value decides
-        return _RowDocuments(ids)
-    if ids.shape[0] == 1 or bool((ids == ids[:1]).all()):
-        return masks.document(ids[0].to(torch.int64))
-    return _RowDocuments(ids)
+    """transformers' packed-sequence ids ``[B, L]`` (or ``[1, L]``) as ``qkv.document``, one
+    row of ids per batch element: no value is read to decide it (so it is the same under
+    torch.compile), and every kernel reads the rows as they are (the band kernel narrows each
+    row's blocks to its documents)."""
+    ids = ids[:, : max(f.Lq, f.Lk)].to(torch.int64)  # [B|1, L]
+    return masks.document(ids[0] if ids.shape[0] == 1 else ids)
 
 
 def _and(parts: list[object]) -> object:
