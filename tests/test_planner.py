@@ -40,11 +40,11 @@ def test_auto_picks_sdpa_where_it_maps_directly(kw, heads):
 @pytest.mark.parametrize(
     "kw,why",
     [
-        ({"mask": qkv.sliding_window(16)}, "dense"),
-        ({"mask": qkv.document(torch.arange(512) // 100)}, "dense"),
-        ({"mask": lambda b, h, q, k: (q - k) % 2 == 0}, "dense"),
-        ({"mask": torch.rand(512, 512) > 0.5}, "dense"),
-        ({"mask": qkv.block_mask(qkv.causal, 1, 8, 512, 512)}, "dense"),
+        ({"mask": qkv.sliding_window(16)}, "estimated cost"),
+        ({"mask": qkv.document(torch.arange(512) // 100)}, "estimated cost"),
+        ({"mask": lambda b, h, q, k: q // 128 == k // 128}, "estimated cost"),
+        ({"mask": torch.arange(512)[:, None] // 64 == torch.arange(512) // 64}, "estimated cost"),
+        ({"mask": qkv.block_mask(qkv.sliding_window(64), 1, 8, 512, 512)}, "estimated cost"),
         ({"return_lse": True}, "log-sum-exp"),
         ({"mask": qkv.causal, "return_lse": True}, "log-sum-exp"),
         ({"score_mod": qkv.softcap(20.0)}, "score_mod"),
@@ -72,6 +72,47 @@ def test_auto_picks_blocksparse_otherwise(kw, why):
     out = out[0] if isinstance(out, tuple) else out
     ref, _ = qkv.reference.attention(q, k, v, mask=kw.get("mask"), score_mod=kw.get("score_mod"))
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        lambda b, h, q, k: (q - k) % 2 == 0,
+        torch.rand(512, 512, generator=torch.Generator().manual_seed(0)) > 0.5,
+        qkv.block_mask(lambda b, h, q, k: (q - k) % 3 != 0, 1, 8, 512, 512),
+    ],
+    ids=["mask_mod", "bool", "block_mask"],
+)
+def test_auto_keeps_sdpa_where_the_mask_hides_little(mask):
+    """A mask that leaves a score in every tile gives the engine nothing to skip and many
+    smaller calls: auto weighs both and keeps SDPA with the dense mask, and says so with
+    the estimates; the engine's estimate is above SDPA's."""
+    q, k, v = _x(Hq=8, Hkv=8, Lq=512, Lk=512)
+    plan = qkv.plan(q, k, v, mask=mask)
+    assert plan.backend == "sdpa", str(plan)
+    weighed = [n for n in plan.notes if n.startswith("auto kept SDPA: estimated cost")]
+    assert len(weighed) == 1, plan.notes
+    got = qkv.attention(q, k, v, mask=mask)
+    ref, _ = qkv.reference.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_estimates_follow_the_work_a_mask_leaves():
+    """The engine's estimated share of SDPA's cost grows with a window's width, and auto's
+    choice flips from the engine to SDPA where the estimate passes the margin."""
+    from qkv._door import validate
+    from qkv.backends import BACKENDS
+    from qkv.backends.blocksparse.cost import MARGIN
+
+    q, k, v = _x(Hq=8, Hkv=8, Lq=2048, Lk=2048)
+    ratios = []
+    for w in (64, 512, 2047):  # (tile granularity: finer steps need not be monotonic)
+        mask = lambda b, h, i, j, w=w: (i - j).abs() <= w  # noqa: E731 (a user's mask_mod)
+        costs = BACKENDS["blocksparse"].weigh(validate(q, k, v, mask=mask))
+        ratios.append(costs.ratio)
+        want = "blocksparse" if costs.ratio < MARGIN else "sdpa"
+        assert qkv.plan(q, k, v, mask=mask).backend == want, (w, costs)
+    assert ratios == sorted(ratios) and ratios[0] < MARGIN < ratios[-1], ratios
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,6 @@ from .base import (
     imprecise_backward,
     logit_bound,
     score_bytes,
-    small_grid,
 )
 
 Tensor = torch.Tensor
@@ -58,17 +57,8 @@ class SdpaBackend(Backend):
         return None
 
     def auto_skip(self, p: Problem) -> str | None:
-        masked = not (p.mask.is_none or p.mask.is_causal)
-        if p.mask.block is not None and not small_grid(p):
-            return (
-                "the mask is a prebuilt block mask, a tile plan for blocksparse; SDPA would not "
-                "use the plan (a masked problem this size would run on a dense [Lq, Lk] mask)"
-            )
-        if masked and not small_grid(p):
-            return (
-                "SDPA would get this mask as a dense [Lq, Lk] tensor and do all Lq*Lk work; "
-                "blocksparse skips the hidden blocks"
-            )
+        # (a masked problem goes to blocksparse where that backend claims it: where its
+        # estimated cost is lower than this one's with the dense mask, blocksparse/cost.py)
         return imprecise_backward(p)
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:

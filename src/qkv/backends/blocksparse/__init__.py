@@ -30,8 +30,9 @@ from ..._core.tiles import DEFAULT_BLOCK
 from ..base import SMALL_DENSE, Backend, Recipe, Route, Runner, no_keys_result
 from . import autograd, compiled, operators, schedule
 from .autograd import captured, reaches_hidden
+from .cost import Costs, weigh
 from .job import HiddenDependency, Job, Watch, fused_ok
-from .plan import block_mask_of, describe, make_job, native_band
+from .plan import block_mask_of, describe, make_job
 
 Tensor = torch.Tensor
 
@@ -51,20 +52,22 @@ class BlocksparseBackend(Backend):
     def claims(self, p: Problem) -> str | None:
         if torch.compiler.is_compiling():
             return None  # its planning reads tensor values: the reference formula traces
-        if p.mask.is_none or p.mask.is_causal or native_band(p, build=False) is not None:
-            return None
-        # Measured (benchmarks/RESULTS.md): faster than the SDPA route (which evaluates the
-        # mask into a dense tensor every call) at every size, 1.2x at n=64 to 2.6x at 256;
-        # for padding and documents (small grids only), ~0.9x SDPA's time on the dense mask.
-        if p.mask.is_band:
-            return (
-                "SDPA would do all Lq*Lk work on a dense mask evaluated every call; qkv's "
-                "compiled band kernel computes only the band, faster at every size measured"
-            )
-        return (
-            "SDPA would read this mask as a dense [Lq, Lk] tensor; qkv's compiled band kernel "
-            "reads its key ranges or document ids, faster at this size (measured)"
-        )
+        if p.mask.is_none or p.mask.is_causal:
+            return None  # (SDPA's own kernel computes them whole)
+        costs = self.weigh(p)
+        return str(costs) if costs is not None and costs.prefers_blocksparse else None
+
+    def weigh(self, p: Problem) -> Costs | None:
+        """The estimated costs of ``p`` here and on SDPA with the dense mask (:mod:`.cost`),
+        read once per problem; ``None`` where SDPA cannot take ``p`` (nothing to weigh)."""
+        got = p.reads.get("costs")
+        if isinstance(got, Costs):
+            return got
+        if p.score.is_callable or p.return_lse or p.Lk == 0 or p.dropout_p > 0:
+            return None  # (SDPA's own refusals, and dropout: not weighed)
+        costs = weigh(p, make_job(p, dry_run=True))
+        p.reads["costs"] = costs
+        return costs
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:
         if torch.compiler.is_compiling():
