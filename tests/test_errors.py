@@ -249,3 +249,88 @@ def test_dense_limit_refuses_instead_of_allocating():
         qkv.plan(q, q, q, score_mod=qkv.softcap(30.0), backend="reference")
     with pytest.raises(ValueError, match=r"non-negative number of bytes"):
         qkv.set_dense_limit(-1)
+
+
+def _raised(fn, *args, **kw) -> BaseException:
+    try:
+        fn(*args, **kw)
+    except Exception as e:
+        return e
+    raise AssertionError("no error raised")
+
+
+def _heads(q, k, v):
+    return qkv.attention(q, torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8))
+
+
+def _dtype(q, k, v):
+    return qkv.attention(q, k.double(), v)
+
+
+def _padding(q, k, v):
+    return qkv.attention(q, k, v, mask=qkv.padding(torch.tensor([1, 2, 3])))
+
+
+def _mask_type(q, k, v):
+    return qkv.attention(q, k, v, mask=3)
+
+
+def _return_lse(q, k, v):
+    return qkv.attention(q, k, v, return_lse=1)
+
+
+@pytest.mark.parametrize(
+    ("call", "kind", "words"),
+    [
+        (_heads, ValueError, r"q has 4 heads and k has 3"),
+        (_dtype, TypeError, r"share one dtype"),
+        (_padding, ValueError, r"has 3 lengths but the batch size is 1"),  # a built-in's check
+        (_mask_type, TypeError, r"mask must be None, a bool tensor"),  # the mask's kind
+        (_return_lse, TypeError, r"return_lse must be True or False"),
+    ],
+    ids=lambda x: getattr(x, "__name__", "")[1:] or None,
+)
+def test_input_errors_are_runtime_errors_too(call, kind, words):
+    """torch's SDPA raises RuntimeError for bad input: code ported from it (``except
+    RuntimeError``) catches qkv's errors too, which stay ValueError / TypeError, messages
+    unchanged."""
+    q, k, v = qkv4()
+    for caught in (RuntimeError, kind):
+        with pytest.raises(caught, match=words):
+            call(q, k, v)
+    e = _raised(call, q, k, v)
+    other = TypeError if kind is ValueError else ValueError
+    assert not isinstance(e, other)  # a shape error is no TypeError, a type error no ValueError
+
+
+def test_a_batch_mask_without_heads_names_the_fix():
+    """A [B, Lq, Lk] tensor read right-aligned is [Hq, Lq, Lk]: the error says to add the head
+    dimension, with the shapes, for a bool mask, a bias, and a float mask passed as mask."""
+    q, k, v = qkv4(B=2, Hq=4, Hkv=2, Lq=5, Lk=6)
+    fix = r"a \[B, Lq, Lk\] mask needs a head dimension: pass mask\[:, None\] "
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 5, 6\) does not broadcast.*" + fix):
+        qkv.attention(q, k, v, mask=torch.ones(2, 5, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\(\[B, 1, Lq, Lk\] = \[2, 1, 5, 6\]\)"):
+        qkv.attention(q, k, v, mask=torch.ones(2, 5, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"a \[B, Lq, Lk\] bias needs .* pass bias\[:, None\]"):
+        qkv.attention(q, k, v, score_mod=torch.zeros(2, 5, 6))
+    with pytest.raises(TypeError, match=r"score_mod.*pass score_mod=mask\[:, None\]"):
+        qkv.attention(q, k, v, mask=torch.zeros(2, 5, 6))
+    # a 3-D tensor that the head dimension would not fix either gets the general advice
+    e = _raised(qkv.attention, q, k, v, mask=torch.ones(3, 5, 6, dtype=torch.bool))
+    assert "give it shape [Lq, Lk] = [5, 6]" in str(e) and "head dimension" not in str(e)
+    # and with the head dimension it runs, equal to the formula
+    m = torch.rand(2, 5, 6) > 0.3
+    m[..., 0] = True
+    out = qkv.attention(q, k, v, mask=m[:, None])
+    torch.testing.assert_close(out, qkv.reference.attention(q, k, v, mask=m[:, None])[0])
+
+
+def test_a_per_head_mask_for_unbatched_inputs_stays_valid():
+    """[H, L, D] inputs take an [H, Lq, Lk] mask: a 3-D mask that broadcasts is no error."""
+    q, k, v = (t[0] for t in qkv4(Hq=4, Hkv=4))
+    m = torch.rand(4, 5, 6) > 0.3
+    m[..., 0] = True
+    out = qkv.attention(q, k, v, mask=m)
+    assert out.shape == (4, 5, 8)
+    torch.testing.assert_close(out, qkv.reference.attention(q, k, v, mask=m)[0])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from ._core.checks import (
+    InputTypeError,
+    InputValueError,
     check_bias_tensor,
     check_dropout,
     check_mask_tensor,
@@ -72,10 +74,33 @@ def validate(
     dropout_p: object = 0.0,
     return_lse: object = False,
 ) -> Problem:
-    """Check every argument of :func:`qkv.attention` and build the classified problem."""
+    """Check every argument of :func:`qkv.attention` and build the classified problem. Bad
+    input raises :class:`~qkv._core.checks.InputValueError` or ``InputTypeError``: ValueError
+    or TypeError as qkv documents, and RuntimeError as torch's SDPA raises."""
+    try:
+        return _validate(q, k, v, mask, score_mod, scale, dropout_p, return_lse)
+    except (ValueError, TypeError) as e:
+        # The checks of what the door adopts (a mask's kind, a built-in mask's lengths, a
+        # block mask's shape) raise plain ValueError / TypeError: the same message as both.
+        kind = {ValueError: InputValueError, TypeError: InputTypeError}.get(type(e))
+        if kind is None:  # ours already, or an exception class of the user's own
+            raise
+        raise kind(*e.args).with_traceback(e.__traceback__) from None
+
+
+def _validate(
+    q: object,
+    k: object,
+    v: object,
+    mask: object,
+    score_mod: object,
+    scale: object,
+    dropout_p: object,
+    return_lse: object,
+) -> Problem:
     q4, k4, v4, orig = check_qkv(q, k, v)
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
+        raise InputTypeError(f"return_lse must be True or False, got {type(return_lse).__name__}")
     target = (q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2])
     return Problem(
         q=q4,

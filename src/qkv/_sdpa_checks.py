@@ -9,17 +9,20 @@ from typing import Any
 
 import torch
 
+from ._core.checks import InputTypeError, InputValueError
+
 Tensor = torch.Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-class SDPAValueError(ValueError, RuntimeError):
+class SDPAValueError(InputValueError):
     """Bad shapes or values. A ValueError as qkv raises, and a RuntimeError as torch's
-    function raises for the same input, so callers written for either catch it."""
+    function raises for the same input, so callers written for either catch it (qkv's own
+    input errors are both as well: this one names the drop-in as the checker)."""
 
 
-class SDPATypeError(TypeError, RuntimeError):
+class SDPATypeError(InputTypeError):
     """Bad types (dtypes, non-tensors); also a RuntimeError, as torch raises."""
 
 
