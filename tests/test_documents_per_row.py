@@ -120,7 +120,8 @@ def test_every_backend_equals_the_dense_mask(backend: str, combo: str) -> None:
 def test_odd_lengths_unsorted_rows_and_rows_without_keys(L: int) -> None:
     """Odd lengths; a row of sorted ids beside a row of unsorted ones (the band kernel narrows
     one and masks the other score by score); padding that leaves a batch element no key at
-    all (output 0, lse -inf, zero gradients). Without gradients the band kernel runs."""
+    all (output 0, lse -inf, zero gradients). Without gradients the engine runs them on the
+    band kernel, with gradients on its tiles; auto as it chooses."""
     gen = torch.Generator().manual_seed(L)
     s = Shape(3, 2, 1, L, L, 16)
     ids = packed(3, L, [2, 1, 5], gen)
@@ -135,9 +136,11 @@ def test_odd_lengths_unsorted_rows_and_rows_without_keys(L: int) -> None:
         (qkv.and_masks(qkv.document(ids), dead), want & keys_below(lengths, L)),
     ]
     for mask, m in cases:
-        assert "compiled band kernel" in qkv.plan(q, k, v, mask=mask).forward
-        against_dense(q, k, v, mask, m, grads=False)
+        engine = qkv.plan(q, k, v, mask=mask, backend="blocksparse").forward
+        assert "compiled band kernel" in engine
+        against_dense(q, k, v, mask, m, backend="blocksparse", grads=False)
         against_dense(q, k, v, mask, m, backend="blocksparse")  # tiles, with gradients
+        against_dense(q, k, v, mask, m)
     out = qkv.attention(q, k, v, mask=cases[2][0])
     assert out[1].abs().max() == 0  # batch 1 sees no key: zeros, not NaN
 
@@ -187,12 +190,11 @@ def test_band_kernel_forward_and_backward(layout: str) -> None:
     for name in ("document", "causal", "window", "padding"):
         mask, want = m[name]
         qg = q.detach().requires_grad_()
-        plan = qkv.plan(qg, k, v, mask=mask)
-        assert plan.backend == "blocksparse", (name, plan.backend)
+        plan = qkv.plan(qg, k, v, mask=mask, backend="blocksparse")
         assert "compiled band kernel" in plan.forward and "document ids" in plan.forward, name
         assert "compiled band kernel" in plan.backward, name
         assert _job(q, k, v, mask).native_band is not None, name
-        against_dense(q, k, v, mask, want, seed=len(name))
+        against_dense(q, k, v, mask, want, backend="blocksparse", seed=len(name))
 
 
 def test_unsorted_rows_past_2_20_scores_take_the_tiles() -> None:
