@@ -90,7 +90,7 @@ def test_auto_keeps_sdpa_where_the_mask_hides_little(mask):
     q, k, v = _x(Hq=8, Hkv=8, Lq=512, Lk=512)
     plan = qkv.plan(q, k, v, mask=mask)
     assert plan.backend == "sdpa", str(plan)
-    weighed = [n for n in plan.notes if n.startswith("auto kept SDPA: estimated cost")]
+    weighed = [n for n in plan.notes if n.startswith("auto kept sdpa: estimated cost")]
     assert len(weighed) == 1, plan.notes
     got = qkv.attention(q, k, v, mask=mask)
     ref, _ = qkv.reference.attention(q, k, v, mask=mask)

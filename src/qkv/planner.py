@@ -21,7 +21,6 @@ from ._planning.about import About, describe
 from ._planning.signature import of_call
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import DENSE_LIMIT, Backend, Route, Unavailable
-from .backends.blocksparse.cost import Costs
 from .typing import MaskLike, ScoreLike
 
 Tensor = torch.Tensor
@@ -259,7 +258,7 @@ def _decide(p: Problem, backend: object, *, dry_run: bool) -> Plan:
             if why is None:
                 route, why = _route(b, p, dry_run)
                 if why is None:
-                    return _plan(b, _weighed(p, route), rejected)
+                    return _plan(b, _weighed(p, b, route), rejected)
             rejected[n] = why
     lines = "; ".join(f"{n}: {w}" for n, w in rejected.items())
     raise ValueError(f"no backend can compute this problem within the limits ({lines})")
@@ -275,13 +274,13 @@ def _route(b: Backend, p: Problem, dry_run: bool) -> tuple[Route, str | None]:
     return route, _too_big(b, route)
 
 
-def _weighed(p: Problem, route: Route) -> Route:
-    """``route`` with the costs auto weighed for ``p`` among its notes, where it weighed any
-    and kept SDPA (where it took blocksparse, its claim in the passed-over lines says so)."""
-    costs = p.reads.get("costs")
-    if not isinstance(costs, Costs) or costs.prefers_blocksparse:
+def _weighed(p: Problem, b: Backend, route: Route) -> Route:
+    """``route`` with what a later backend said when it weighed ``p`` and left it to ``b``
+    (``p.reads["declined"]``: its name and the estimated costs), among its notes."""
+    declined = p.reads.get("declined")
+    if not isinstance(declined, tuple) or declined[0] == b.name:
         return route
-    return replace(route, notes=(*route.notes, f"auto kept SDPA: {costs}"))
+    return replace(route, notes=(*route.notes, f"auto kept {b.name}: {declined[1]}"))
 
 
 _NO_ROUTE = Route(forward="", backward="", extra_memory=0)

@@ -55,7 +55,12 @@ class BlocksparseBackend(Backend):
         if p.mask.is_none or p.mask.is_causal:
             return None  # (SDPA's own kernel computes them whole)
         costs = self.weigh(p)
-        return str(costs) if costs is not None and costs.prefers_blocksparse else None
+        if costs is None:
+            return None
+        if costs.prefers_blocksparse:
+            return str(costs)
+        p.reads["declined"] = (self.name, str(costs))  # (the planner's note on its choice)
+        return None
 
     def weigh(self, p: Problem) -> Costs | None:
         """The estimated costs of ``p`` here and on SDPA with the dense mask (:mod:`.cost`),
