@@ -43,7 +43,7 @@ def backward(
     """Gradients of one call. ``out [B, Hq, Lq, Dv]`` and ``lse [B, Hq, Lq]`` are the forward's
     results; ``dlse`` is ``None`` when nothing flowed into the lse."""
     if job.native_band is not None:  # the compiled band kernel ran the forward: its backward
-        from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
+        from . import native
 
         lse_hi, lse_lo = lse_hi_lo(lse, torch.float32)
         more = native.extras(job.p.mask.terms, job.p.B)

@@ -224,7 +224,7 @@ def forward(job: Job, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     p = job.p
     B, Hq, Lq, Dv = p.B, p.Hq, p.Lq, p.Dv
     if job.native_band is not None:
-        from . import native  # (imported here: `python -m qkv.backends.blocksparse.native` runs it)
+        from . import native
 
         more = native.extras(p.mask.terms, B)
         out, lse32 = native.band_forward(q, k, v, *job.native_band, p.scale, more)

@@ -7,14 +7,11 @@ are an accelerator, never a requirement: when they cannot be built (no C++ compi
 ``QKV_NATIVE=0``, a failed build) the block-sparse engine runs the same problem with torch's
 fused kernel, and :func:`qkv.plan` says which one runs. Building, caching and loading are
 :class:`qkv.native.NativeLibrary`'s (per torch version and CPU capability, under
-``$QKV_NATIVE_DIR`` or ``~/.cache/qkv/native``); ``python -m qkv.backends.blocksparse.native``
-builds it ahead of time.
+``$QKV_NATIVE_DIR`` or ``~/.cache/qkv/native``); ``qkv build`` builds it ahead of time.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -198,10 +195,3 @@ def band_backward(
         *more,
     )
     return grads
-
-
-if __name__ == "__main__":  # build ahead of time: python -m qkv.backends.blocksparse.native
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    got = band_forward_op()
-    print(f"qkv compiled kernels: {'ready in ' + str(cache_dir()) if got else disabled()}")
-    sys.exit(0 if got is not None else 1)
