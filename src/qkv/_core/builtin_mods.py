@@ -271,7 +271,8 @@ class Document(BuiltinMask):
             raise ValueError(
                 f"qkv.document ids has shape {list(self.ids.shape)}: {rows} rows but the batch "
                 f"size is {B}; give one row of ids per batch element ([{B}, L]), or one row "
-                f"([L] or [1, L]) that every batch element shares"
+                f"([L] or [1, L]) that every batch element shares (qkv.block_mask of ids per "
+                f"row needs its B, not None)"
             )
         if n < max(Lq, Lk):
             per_row = "" if self.ids.ndim == 1 else f" per row (shape {list(self.ids.shape)})"
