@@ -63,7 +63,7 @@ def test_auto_picks_sdpa_where_it_maps_directly(kw, heads):
     ],
 )
 def test_auto_picks_blocksparse_otherwise(kw, why):
-    q, k, v = _x(Hq=8, Hkv=8, Lq=512, Lk=512)  # 2 M scores: above the small-problem cutoff
+    q, k, v = _x(Hq=8, Hkv=8, Lq=512, Lk=512, D=64)  # (masks that leave a third or less)
     plan = qkv.plan(q, k, v, **kw)
     assert plan.backend == "blocksparse"
     assert why in plan.rejected["sdpa"]

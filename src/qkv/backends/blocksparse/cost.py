@@ -22,28 +22,36 @@ import torch
 from ..._core.problem import Problem
 from .job import Job
 
-# Per pair and head dim, relative to SDPA's fused kernel with a dense mask (1.0), forward.
-# The compiled band kernel (float32): register-blocked products, no mask tensor to read.
-BAND_KERNEL = 0.55
-# torch's fused kernel on a mask-free piece of the problem (a document, a prefix): no mask
-# to read, but smaller calls run below the dense call's efficiency.
+# Measured with ``benchmarks/auto_sweep.py --calibrate --threads 1`` on a 2-core AMD EPYC
+# (AVX-512; benchmarks/RESULTS.md, 2026-12-08), each against SDPA's fused kernel with a
+# dense mask (1.0 per pair and head dim, forward). Where a figure was uncertain it was
+# rounded up: an overestimate sends a call to SDPA, the peer, never to a slower engine.
+# The compiled band kernel (float32): per pair about the dense call's, without its mask.
+BAND_KERNEL = 1.1
+# torch's fused kernel on a mask-free piece of the problem (a document, a prefix).
 SEGMENT = 1.0
-# torch's fused kernel on query blocks against their visible keys (band groups and pieces),
-# with their results merged by lse.
-PIECE = 1.6
+# torch's fused kernel on query blocks against their visible keys (band groups, pieces).
+PIECE = 1.25
 # Explicit matmuls (a score_mod, dropout, a bias gradient): scores materialised per piece.
 MATMUL = 2.5
-# A fused call's fixed cost (dispatch, output and lse copies, the merge), in multiply-adds of
-# the dense call's; the same for SDPA's single call.
-CALL = 2.0e6
+# bfloat16 and float16: the engine's smaller calls convert per call (segments and pieces).
+HALF = 1.3
+# The backward relative to the forward: torch's fused backward (SDPA's and the engine's
+# calls); the band kernel's own backward is slower relative to its forward.
+BACKWARD = {"torch": 2.5, "band": 3.6}
+# Fixed costs, in multiply-adds of the dense call's: SDPA's one call; the band kernel's one
+# call; each of the engine's fused calls (slicing, output and lse copies: a prefix-LM at
+# L=64 took 4.5x SDPA's time with three of them); each merged output element (two partial
+# results combined by their lse in float64: several passes over the rows).
+CALL_SDPA = 1.0e6
+CALL_BAND = 0.5e6
+CALL = 8.0e6
+MERGE = 600.0
 # Evaluating a mask on partial tiles, per score (an additive mask per piece).
 MASKED = 24.0
-# The backward, relative to the forward, per route: torch's fused backward recomputes the
-# scores and runs four more products; the band kernel's backward likewise.
-BACKWARD = {"sdpa": 2.5, "torch": 2.5, "band": 3.0}
-# bfloat16 and float16: torch's fused kernel converts per block; its dense-mask call reads
-# a float mask in the input dtype. The engine's pieces pay the conversions per call.
-HALF_PIECE = 1.25
+# torch's fused causal kernel skips whole blocks above the diagonal only: a causal segment
+# of n rows computes about half of n^2 when n is well above this many rows, all of it below.
+CAUSAL_BLOCK = 256
 # auto takes the engine where its estimate is below this share of SDPA's.
 MARGIN = 0.8
 
@@ -78,50 +86,56 @@ def weigh(p: Problem, job: Job) -> Costs:
     plan for ``p``)."""
     width = p.D + p.Dv
     heads = p.B * p.Hq
-    half = p.dtype in (torch.float16, torch.bfloat16)
     grad = p.requires_grad()
-    sdpa = heads * p.Lq * p.Lk * width * (1.0 + (BACKWARD["sdpa"] if grad else 0.0))
-    sdpa += CALL * (2 if grad else 1)
-    pairs, calls, masked = _work(job, p)
+    calls_x = 2 if grad else 1  # (a backward makes as many calls again)
+    torch_x = 1.0 + (BACKWARD["torch"] if grad else 0.0)
+    sdpa = heads * p.Lq * p.Lk * width * torch_x + CALL_SDPA * calls_x
+    pairs, calls, masked, merged = _work(job, p)
     if job.route == "native_band":
         per_pair = BAND_KERNEL * (1.0 + (BACKWARD["band"] if grad else 0.0))
+        bs = heads * pairs * width * per_pair + CALL_BAND * calls_x
     else:
         rate = (SEGMENT if job.route == "segments" else PIECE) if job.fused else MATMUL
-        if half and job.route != "segments":
-            rate *= HALF_PIECE
-        per_pair = rate * (1.0 + (BACKWARD["torch"] if grad else 0.0))
-    bs = heads * pairs * width * per_pair + calls * CALL * (2 if grad else 1)
-    bs += heads * masked * MASKED * (2 if grad else 1)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            rate *= HALF
+        bs = heads * pairs * width * rate * torch_x + calls * CALL * calls_x
+        bs += heads * (masked * MASKED * calls_x + merged * p.Dv * MERGE)
     return Costs(sdpa=float(sdpa), blocksparse=float(bs), route=job.route)
 
 
-def _work(job: Job, p: Problem) -> tuple[float, int, float]:
-    """``(pairs, calls, masked)`` of one batch element and head: the (query, key) pairs the
-    job's forward computes, its fused calls, and the pairs on which it evaluates the mask."""
+def _work(job: Job, p: Problem) -> tuple[float, int, float, float]:
+    """``(pairs, calls, masked, merged)`` of one batch element and head: the (query, key)
+    pairs the job's forward computes, its fused calls, the pairs on which it evaluates the
+    mask, and the query rows whose partial results it merges (once per extra part)."""
     if job.route == "native_band":
         lo, hi = job.native_band or (-p.Lq, p.Lk)
         i = torch.arange(p.Lq, dtype=torch.float64)
         first = (i + lo).clamp(0, p.Lk)
         end = (i + hi + 1).clamp(0, p.Lk)
         pairs = float((end - first).clamp(min=0).sum())
-        share = _share(p)  # a padding or document mask's own share of the band
-        return pairs * share, 1, 0.0
-    pairs = 0.0
+        return pairs * _share(p), 1, 0.0, 0.0  # (a padding or document mask's share)
+    pairs = masked = merged = 0.0
     calls = 0
+    rows_seen: set[tuple[int, int]] = set()
     for q0, q1, k0, k1, causal in job.segments:
-        pairs += (q1 - q0) * (k1 - k0) * (0.5 if causal else 1.0)
+        n = q1 - q0
+        share = 0.5 + 0.5 * min(1.0, CAUSAL_BLOCK / max(1, n)) if causal else 1.0
+        pairs += n * (k1 - k0) * share
         calls += 1
-    masked = 0.0
+        if (q0, q1) in rows_seen:
+            merged += n
+        rows_seen.add((q0, q1))
     for row in job.fwd.rows:
         for pc in row:
             pairs += (pc.q1 - pc.q0) * pc.span
             masked += (pc.q1 - pc.q0) * sum(k1 - k0 for _, k0, k1 in pc.masked)
-        calls += 1 if row else 0
+        calls += len(row)
+        merged += (len(row) - 1) * (row[0].q1 - row[0].q0) if row else 0
     for g in job.fwd.groups:
         pairs += g.n * g.b * g.w * g.b
         masked += g.n * g.b * g.w * g.b if job.masked else 0.0
         calls += 1
-    return pairs, calls, masked
+    return pairs, calls, masked, merged
 
 
 def _share(p: Problem) -> float:
