@@ -251,10 +251,11 @@ class _Kernel(torch.autograd.Function):
 @pytest.mark.parametrize("L", [1, 7, 113])
 def test_band_kernel_backward_at_odd_lengths(L: int) -> None:
     """The kernel's own backward on small problems, gradients through the lse too: sorted
-    and unsorted rows side by side, Lq != Lk, GQA."""
+    and unsorted rows side by side, Lq != Lk, GQA, rows of ids longer than the sequence (the
+    kernel steps a whole row per batch element)."""
     gen = torch.Generator().manual_seed(11 + L)
     for s in (Shape(3, 4, 2, L, L, 16), Shape(3, 4, 1, L, L + 5, 8)):
-        n = max(s.Lq, s.Lk)
+        n = max(s.Lq, s.Lk) + 3
         ids = packed(3, n, [3, 1, 7], gen)
         ids[2] = torch.randint(0, 2, (n,), generator=gen)  # unsorted
         q, k, v = make_qkv(s, gen=gen)
@@ -352,9 +353,9 @@ def test_triton_reads_each_rows_ids(sort: bool) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(4)
     s = Shape(3, 4, 2, 70, 70, 16)
-    ids = packed(3, 70, [1, 3, 9], gen)
+    ids = packed(3, 75, [1, 3, 9], gen)  # (rows longer than the sequence)
     if not sort:
-        ids[1] = torch.randint(0, 3, (70,), generator=gen)
+        ids[1] = torch.randint(0, 3, (75,), generator=gen)
     mask, want = combos(ids.to(device), 70, 70)["causal"]
     q, k, v = make_qkv(s, gen=gen, device=device)
     plan = qkv.plan(q, k, v, mask=mask, backend="triton")
