@@ -22,10 +22,12 @@ import torch
 import qkv
 from catalogue import LAYOUTS, Shape, lay_out, make_qkv
 from qkv._core.builtin_mods import Band
+from qkv._door import validate
 from qkv.backends.blocksparse import native as _native
 
 # private: the compiled kernel's build, loading and the planner's choice of it are the units tested
 from qkv.backends.blocksparse import plan as plan_mod
+from qkv.backends.blocksparse.cost import weigh
 from qkv.backends.blocksparse.grads import lse_hi_lo
 from qkv_testing import assert_matches_oracle, compare_to_oracle
 
@@ -331,8 +333,10 @@ def test_a_nan_in_padding_and_documents_reaches_the_rows_the_oracle_says(where):
 @needs_compiler
 def test_padding_and_documents_take_the_kernel_without_gradients():
     """Auto sends a padding or a small document mask to the kernel (faster than SDPA on the
-    dense mask and than the tile plans, measured), keeps SDPA where gradients are needed (its
-    fused backward is faster there) and the tile plans for documents past 2^20 scores."""
+    dense mask and than the tile plans, measured), keeps SDPA where gradients are needed on
+    so small a call (the engine's autograd costs more than SDPA's fused backward there), and
+    past 2^20 scores takes for sorted documents whichever of mask-free calls per document and
+    the kernel its cost estimates say is cheaper."""
     q, k, v = _qkv(4, 4, 4, 48, 48, 32, 32)
     for mask in (qkv.padding(torch.tensor([40, 48, 30, 0])), qkv.document(torch.arange(48) // 16)):
         plan = qkv.plan(q, k, v, mask=mask)
@@ -344,9 +348,19 @@ def test_padding_and_documents_take_the_kernel_without_gradients():
         assert qkv.plan(qg, k, v, mask=mask).backend == "sdpa"
     big = _qkv(1, 8, 8, 512, 512, 16, 16)
     assert _job(*big, qkv.padding(torch.tensor([300]))).native_band == (-511, 511)
-    mask = qkv.document(torch.arange(512) // 100)
-    assert _job(*big, mask).native_band is None
-    assert "compiled band kernel" not in str(qkv.plan(*big, mask=mask))
+    for ids in (torch.arange(512) // 100, torch.arange(512) // 8):
+        p = validate(*big, mask=qkv.document(ids))
+        chosen = plan_mod.make_job(p)
+        segments = plan_mod.Job(
+            call=p, route="segments", fused=True, segments=tuple(plan_mod._segments(p))
+        )
+        band = plan_mod.Job(
+            call=p, route="native_band", fused=True, native_band=(-511, 511), masked=True
+        )
+        costs = [
+            weigh(p, job).blocksparse for job in (segments, band) if job.segments or job.native_band
+        ]
+        assert weigh(p, chosen).blocksparse == min(costs), (ids[-1], chosen.route, costs)
 
 
 def test_the_build_stamp_reads_the_sources_not_where_the_checkout_lies(

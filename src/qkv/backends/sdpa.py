@@ -24,6 +24,7 @@ from .base import (
     imprecise_backward,
     logit_bound,
     score_bytes,
+    small_grid,
 )
 
 Tensor = torch.Tensor
@@ -57,8 +58,17 @@ class SdpaBackend(Backend):
         return None
 
     def auto_skip(self, p: Problem) -> str | None:
-        # (a masked problem goes to blocksparse where that backend claims it: where its
-        # estimated cost is lower than this one's with the dense mask, blocksparse/cost.py)
+        # Eagerly a masked problem goes to blocksparse where that backend claims it (its
+        # estimated cost below this one's with the dense mask: blocksparse/cost.py). While
+        # dynamo traces, the engine's tiles cannot be planned (they read tensor values), so
+        # nothing can be weighed: past 2^20 scores the engine's operator takes the mask
+        # rather than a dense [Lq, Lk] tensor in the graph (O(n) memory, not O(n^2)).
+        masked = not (p.mask.is_none or p.mask.is_causal)
+        if masked and torch.compiler.is_compiling() and not small_grid(p):
+            return (
+                "under torch.compile SDPA would take this mask as a dense [Lq, Lk] tensor in "
+                "the graph; the block-sparse engine's operator plans its tiles when it runs"
+            )
         return imprecise_backward(p)
 
     def route(self, p: Problem, *, dry_run: bool = False) -> Route:

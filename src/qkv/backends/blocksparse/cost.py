@@ -47,6 +47,11 @@ CALL_SDPA = 1.0e6
 CALL_BAND = 0.5e6
 CALL = 8.0e6
 MERGE = 600.0
+# With gradients: the engine's autograd around its calls (its own Function and operators,
+# the saved lse; a small training call through the band kernel measured 1.7-1.9x SDPA's
+# route), and each fused call's backward (its gradients added into the whole dq, dk, dv).
+GRAD = 4.0e6
+CALL_BACKWARD = 16.0e6
 # Evaluating a mask on partial tiles, per score (an additive mask per piece).
 MASKED = 24.0
 # torch's fused causal kernel skips whole blocks above the diagonal only: a causal segment
@@ -98,8 +103,9 @@ def weigh(p: Problem, job: Job) -> Costs:
         rate = (SEGMENT if job.route == "segments" else PIECE) if job.fused else MATMUL
         if p.dtype in (torch.float16, torch.bfloat16):
             rate *= HALF
-        bs = heads * pairs * width * rate * torch_x + calls * CALL * calls_x
+        bs = heads * pairs * width * rate * torch_x + calls * (CALL + (CALL_BACKWARD * grad))
         bs += heads * (masked * MASKED * calls_x + merged * p.Dv * MERGE)
+    bs += GRAD * grad
     return Costs(sdpa=float(sdpa), blocksparse=float(bs), route=job.route)
 
 

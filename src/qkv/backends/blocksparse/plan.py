@@ -29,6 +29,7 @@ from ..._core.tiles import DEFAULT_BLOCK
 from ...blockmask import BlockMask, build
 from ..base import small_grid
 from . import schedule
+from .cost import weigh
 from .job import Job, Segment, fused_ok
 
 Tensor = torch.Tensor
@@ -43,17 +44,16 @@ def make_job(p: Problem, *, matmul: bool = False, dry_run: bool = False) -> Job:
     :func:`qkv.plan`) decides without building the compiled kernel."""
     fused = fused_ok(p) is None and not matmul
     plain = fused and p.score.bias is None  # torch's fused kernel with no additive mask
-    t = p.mask.terms
-    extra = t.keys is not None or t.ids is not None  # padding, documents: the kernel first
-    if plain and p.Lk > 0 and not (extra and native_band(p, build=not dry_run) is None):
-        segments = _segments(p)
-        if segments:
-            return Job(call=p, route="segments", fused=True, segments=tuple(segments))
+    jobs = []
+    if plain and p.Lk > 0 and (segments := _segments(p)):
+        jobs.append(Job(call=p, route="segments", fused=True, segments=tuple(segments)))
     if plain and native_band(p, build=not dry_run) is None:
         # The compiled band kernel computes the forward and the backward (backward.py).
         edges = band_edges(p)
-        return Job(call=p, route="native_band", fused=True, native_band=edges, masked=True)
-    return _torch_job(p, fused)
+        jobs.append(Job(call=p, route="native_band", fused=True, native_band=edges, masked=True))
+    if len(jobs) > 1:  # (sorted documents, a prefix: mask-free calls or the band kernel)
+        return min(jobs, key=lambda job: weigh(p, job).blocksparse)
+    return jobs[0] if jobs else _torch_job(p, fused)
 
 
 def band_edges(p: Problem) -> tuple[int, int]:
@@ -106,18 +106,9 @@ def native_band_shape(p: Problem) -> str | None:
             return "the mask is more than a band, a key range per batch element and documents"
         if m.block is not None:
             return "the mask came as a block mask: its tile plan runs"
-        # measured (benchmarks/RESULTS.md), without gradients: faster than SDPA on the dense
-        # mask, and than the tile plans at any size for padding (n = 512-2048: 0.6x); ids
-        # only up to 2^20 scores (unsorted ones are compared score by score over the whole
-        # band). With gradients the engine's autograd costs more than SDPA's fused backward.
-        # Ids per batch row ([B, L]: no mask-free segments span the batch) take it at any
-        # size, with gradients too, when every row is sorted (native_band reads the values;
-        # see sorted_rows).
-        rows = t.ids is not None and t.ids.shape[0] > 1 and not small_grid(p)
-        if p.requires_grad() and not rows:
-            return "a padding or document mask with gradients"
-        if t.ids is not None and not small_grid(p) and not rows:
-            return "document ids over more than 2^20 scores"
+        # (Where it is slower than the alternatives, with gradients on a small problem, say,
+        # the costs decide: make_job weighs it against mask-free calls, and auto against
+        # SDPA on the dense mask; blocksparse/cost.py.)
     elif not m.is_band or m.lo is None or m.hi is None:
         return "the mask is not a band with both edges (a sliding window)"
     if p.dtype != torch.float32:
