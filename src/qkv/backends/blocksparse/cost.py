@@ -30,12 +30,17 @@ from .job import Job
 BAND_KERNEL = 1.1
 # torch's fused kernel on a mask-free piece of the problem (a document, a prefix).
 SEGMENT = 1.0
-# torch's fused kernel on query blocks against their visible keys (band groups, pieces).
-PIECE = 1.25
+# torch's fused kernel on query blocks against their visible keys (band groups, pieces):
+# 1.25 on one thread, more on two (small calls split poorly over threads; a window or a
+# prefix at L=1024 measured 1.09x SDPA dense at an estimate of 0.75).
+PIECE = 1.5
 # Explicit matmuls (a score_mod, dropout, a bias gradient): scores materialised per piece.
 MATMUL = 2.5
-# bfloat16 and float16: the engine's smaller calls convert per call (segments and pieces).
+# bfloat16 and float16: the engine's smaller calls convert per call (segments and pieces),
+# and their backwards twice again (documents with gradients at L=256 measured 1.18-1.24x
+# SDPA dense at estimates of ~0.5, 2 threads).
 HALF = 1.3
+HALF_BACKWARD = 2.0
 # The backward relative to the forward: torch's fused backward (SDPA's and the engine's
 # calls); the band kernel's own backward is slower relative to its forward.
 BACKWARD = {"torch": 2.5, "band": 3.6}
@@ -101,9 +106,12 @@ def weigh(p: Problem, job: Job) -> Costs:
         bs = heads * pairs * width * per_pair + CALL_BAND * calls_x
     else:
         rate = (SEGMENT if job.route == "segments" else PIECE) if job.fused else MATMUL
+        backward = BACKWARD["torch"] if grad else 0.0
         if p.dtype in (torch.float16, torch.bfloat16):
             rate *= HALF
-        bs = heads * pairs * width * rate * torch_x + calls * (CALL + (CALL_BACKWARD * grad))
+            backward *= HALF_BACKWARD
+        bs = heads * pairs * width * rate * (1.0 + backward)
+        bs += calls * (CALL + (CALL_BACKWARD * grad))
         bs += heads * (masked * MASKED * calls_x + merged * p.Dv * MERGE)
     bs += GRAD * grad
     return Costs(sdpa=float(sdpa), blocksparse=float(bs), route=job.route)
