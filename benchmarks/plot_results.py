@@ -126,11 +126,28 @@ def _models(text: str, ax) -> None:  # type: ignore[no-untyped-def]
     ax.set_title("qkv.models' all-MiniLM-L6-v2 against its peers")
 
 
+def _train(text: str, ax) -> None:  # type: ignore[no-untyped-def]
+    head, *rows = tables(text)[0]
+    col = next(i for i, c in enumerate(head) if c.startswith("qkv / SDPA time"))
+    labels = [f"{r[0]}, {r[1]}, {r[2]}" for r in rows]
+    ratios = [number(r[col]) for r in rows]
+    y = range(len(rows))
+    ax.barh(list(y), ratios, color="tab:purple")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+    for i, r in zip(y, ratios, strict=True):
+        ax.text(r, i, f" {r:.2f}", va="center", fontsize=7)
+    ax.set(xlabel="qkv time / SDPA time per training step (lower: qkv faster)")
+    ax.set_title("nanoGPT-style training step, B=8 T=256, 2 threads (mask, compile, dtype)")
+
+
 FIGURES = (
     Figure("sweep", "### Sweep (`qkv bench`, forward", _sweep),
     Figure("decode", "### Decode on qkv's decode kernel", _decode),
     Figure("hf", "## Hugging Face transformers on qkv", _hf),
     Figure("models", "## qkv.models: encode and attention_maps", _models),
+    Figure("train", "## Training a nanoGPT-style model (issue 41)", _train),
 )
 
 

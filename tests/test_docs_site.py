@@ -124,7 +124,7 @@ def test_the_site_builds_strictly_with_every_page(site: Path) -> None:
     missing = [p for p in sorted(pages) if not (site / p).is_file()]
     assert not missing, missing
     plots = sorted(p.name for p in (site / "guides" / "plots").glob("*.svg"))
-    assert plots == ["decode.svg", "hf.svg", "models.svg", "sweep.svg"], plots
+    assert plots == ["decode.svg", "hf.svg", "models.svg", "sweep.svg", "train.svg"], plots
     assert all((site / "guides" / "plots" / p).stat().st_size > 10_000 for p in plots)
     page = (site / "guides" / "performance.html").read_text(encoding="utf-8")
     assert all(f'src="plots/{p}"' in page for p in plots)
