@@ -147,7 +147,7 @@ FIGURES = (
     Figure("decode", "### Decode on qkv's decode kernel", _decode),
     Figure("hf", "## Hugging Face transformers on qkv", _hf),
     Figure("models", "## qkv.models: encode and attention_maps", _models),
-    Figure("train", "## Training a nanoGPT-style model (issue 41)", _train),
+    Figure("train", "## Training a nanoGPT-style model (2026-12-08)", _train),
 )
 
 

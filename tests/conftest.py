@@ -60,3 +60,21 @@ def cuda(fn: Any) -> Any:
     """A test that needs a CUDA device: part of the CUDA suite (``pytest -m cuda``, what
     ``benchmarks/gpu_check.sh`` runs) and skipped cleanly without one."""
     return pytest.mark.cuda(_no_cuda(fn))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after a test, its warnings and logs quieted: each
+    compiled test traces anew (tests/test_compile.py, tests/test_compile_views.py)."""
+    import logging
+    import warnings
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._logging.set_logs(dynamo=logging.ERROR)
+        yield
+    torch._logging.set_logs()
+    torch._dynamo.reset()

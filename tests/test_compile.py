@@ -12,10 +12,8 @@ few cases run inductor itself.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -60,15 +58,7 @@ def _cases() -> dict[str, dict]:
 CASES = _cases()
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch._logging.set_logs(dynamo=logging.ERROR)
-        yield
-    torch._logging.set_logs()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _fwd_bwd(fn, q, k, v, kw):

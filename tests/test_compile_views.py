@@ -14,10 +14,8 @@ crashed the first backward above 2^20 scores.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -88,15 +86,7 @@ def _run(fn, ys: list[Tensor], layout: str, H: int, Hkv: int, kw: dict, autocast
     return [out.float(), *torch.autograd.grad(out, leaves, up)]
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch._logging.set_logs(dynamo=logging.ERROR)
-        yield
-    torch._logging.set_logs()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _check(mask: str, size: str, layout: str, *, gqa=False, autocast=False, backend="aot_eager"):

@@ -159,10 +159,12 @@ def fused_cpu_mask(
 # shape its route by it (the plain formula under torch.compile works in chunks within it).
 DENSE_LIMIT = {"bytes": 1 << 30}
 
-# Up to this many scores (B*Hq*Lq*Lk) a dense computation beats planning tiles: auto gives a
-# masked problem to SDPA with a dense mask (measured, benchmarks/RESULTS.md: H=8, window 64,
-# document and prefix masks, SDPA 1.3-3.5x faster at n <= 256, blocksparse 1.6x faster at
-# n = 512 and more beyond), and under torch.compile to the plain formula, which traces.
+# Up to this many scores (B*Hq*Lq*Lk) a dense computation beats planning tiles (measured,
+# benchmarks/RESULTS.md: H=8, window 64, document and prefix masks, SDPA 1.3-3.5x faster at
+# n <= 256, blocksparse 1.6x faster at n = 512 and more beyond): under torch.compile, where
+# nothing can be weighed while dynamo traces, auto gives a masked problem this small to SDPA
+# with a dense mask or the plain formula, which trace, and a larger one to the engine's
+# operator. Eagerly auto weighs both routes' estimated costs instead (blocksparse/cost.py).
 SMALL_DENSE = 1 << 20
 
 
