@@ -100,28 +100,27 @@ def _hf(text: str, ax) -> None:  # type: ignore[no-untyped-def]
         if m:
             cases.append(row[0].replace(": ", ":\n", 1))
             speedups.append(float(m.group(1)))
-    y = range(len(cases))
-    ax.barh(list(y), speedups, color="tab:blue")
-    ax.set_yticks(list(y), cases, fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
-    for i, s in zip(y, speedups, strict=True):
-        ax.text(s, i, f" {s:.2f}x", va="center", fontsize=7)
+    _bars(ax, cases, speedups, "tab:blue", "x")
     ax.set(xlabel="sdpa time / qkv time (higher: qkv faster)")
     ax.set_title("transformers: attn_implementation 'qkv' against 'sdpa'")
+
+
+def _bars(ax, labels: list[str], values: list[float], color: str, unit: str = "") -> None:  # type: ignore[no-untyped-def]
+    """Horizontal bars, one a label, each with its value, and a line at 1.0 (the peer)."""
+    y = range(len(values))
+    ax.barh(list(y), values, color=color)
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+    for i, v in zip(y, values, strict=True):
+        ax.text(v, i, f" {v:.2f}{unit}", va="center", fontsize=7)
 
 
 def _models(text: str, ax) -> None:  # type: ignore[no-untyped-def]
     _, *rows = tables(text)[0]
     labels = [f"{r[0]}\n(vs {r[1]})" for r in rows]
     ratios = [number(r[4]) for r in rows]
-    y = range(len(rows))
-    ax.barh(list(y), ratios, color="tab:green")
-    ax.set_yticks(list(y), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
-    for i, r in zip(y, ratios, strict=True):
-        ax.text(r, i, f" {r:.2f}", va="center", fontsize=7)
+    _bars(ax, labels, ratios, "tab:green")
     ax.set(xlabel="qkv time / peer time (lower: qkv faster)")
     ax.set_title("qkv.models' all-MiniLM-L6-v2 against its peers")
 
@@ -131,13 +130,7 @@ def _train(text: str, ax) -> None:  # type: ignore[no-untyped-def]
     col = next(i for i, c in enumerate(head) if c.startswith("qkv / SDPA time"))
     labels = [f"{r[0]}, {r[1]}, {r[2]}" for r in rows]
     ratios = [number(r[col]) for r in rows]
-    y = range(len(rows))
-    ax.barh(list(y), ratios, color="tab:purple")
-    ax.set_yticks(list(y), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="gray", lw=0.8, ls="--")
-    for i, r in zip(y, ratios, strict=True):
-        ax.text(r, i, f" {r:.2f}", va="center", fontsize=7)
+    _bars(ax, labels, ratios, "tab:purple")
     ax.set(xlabel="qkv time / SDPA time per training step (lower: qkv faster)")
     ax.set_title("nanoGPT-style training step, B=8 T=256, 2 threads (mask, compile, dtype)")
 
