@@ -200,6 +200,7 @@ def test_plan_has_no_note_once_built() -> None:
 # ---------------------------------------------------------------------------- real builds
 
 
+@pytest.mark.extended  # (a real build, ~10-30 s; the lines' logic: the stand-in tests above)
 @needs_compiler
 def test_first_decode_step_from_a_fresh_cache_announces_once(tmp_path: Path) -> None:
     """A new process, an empty cache: the plan notes the unbuilt decode kernel, the first step
